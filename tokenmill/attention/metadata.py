@@ -1,0 +1,36 @@
+"""AttentionMetadata: the per-step description of the batch that every attention layer reads.
+
+The batch is flattened to [num_tokens]; decodes (one new token each) come first, then prefill
+chunks. Built once per step by the model runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    query_start: int              # first row of this request in the flattened batch
+    query_len: int                # new tokens this step
+    seq_len: int                  # tokens in context after this step (cached + new)
+    block_table: torch.Tensor     # [num_blocks_needed] long
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor          # [num_tokens] long: cache slot of each new token
+    num_decodes: int                    # the first num_decodes rows are single-token decodes
+    decode_block_table: torch.Tensor    # [num_decodes, max_blocks] long, padded with 0
+    decode_seq_lens: torch.Tensor       # [num_decodes] long: context length incl. the new token
+    prefills: list[PrefillSpan]
+    sliding_window: int | None = None   # attend to at most this many latest positions
+
+
+@dataclass
+class ForwardContext:
+    """Passed explicitly through the model: what attention needs besides q, k, v."""
+    attn: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]   # per layer: key/value caches

@@ -1,0 +1,101 @@
+"""Pure-torch reference attention over the paged KV cache.
+
+Caches are [num_blocks, block_size, num_kv_heads, head_dim]. New keys/values are scattered to
+their slots; decodes gather their blocks into one padded batch and attend with a length mask;
+each prefill chunk gathers its context and runs SDPA with a causal mask aligned to its
+position. Faster backends are checked against this one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.metadata import AttentionMetadata
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key/value: [num_tokens, kv_heads, head_dim] into their slots."""
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len, kv_heads, head_dim] of one request, in position order."""
+    kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    return cache[block_table].view(-1, kv_heads, head_dim)[:seq_len]
+
+
+def causal_mask(query_len: int, seq_len: int, window: int | None,
+                device: torch.device) -> torch.Tensor:
+    """[query_len, seq_len] bool, True where attending is allowed; queries are the last positions."""
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return allowed
+
+
+class TorchReferenceBackend:
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        """query: [num_tokens, heads, head_dim]; key/value: [num_tokens, kv_heads, head_dim].
+
+        Returns [num_tokens, heads * head_dim].
+        """
+        k_cache, v_cache = kv_cache
+        write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        if meta.num_decodes:
+            out[:meta.num_decodes] = self._decode(query[:meta.num_decodes], k_cache, v_cache, meta)
+        for span in meta.prefills:
+            rows = slice(span.query_start, span.query_start + span.query_len)
+            out[rows] = self._prefill(query[rows], key[rows], value[rows], k_cache, v_cache,
+                                      span, meta.sliding_window)
+        return out.view(query.shape[0], -1)
+
+    def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num, max_blocks = meta.decode_block_table.shape
+        block_size = k_cache.shape[1]
+        groups = self.num_heads // self.num_kv_heads
+        keys = k_cache[meta.decode_block_table].view(num, max_blocks * block_size,
+                                                     self.num_kv_heads, self.head_dim)
+        values = v_cache[meta.decode_block_table].view_as(keys)
+        q = query.view(num, self.num_kv_heads, groups, self.head_dim)
+        scores = torch.einsum("nhgd,nlhd->nhgl", q, keys) * self.scale  # [n, kvh, g, L]
+        positions = torch.arange(keys.shape[1], device=query.device)
+        last = meta.decode_seq_lens.view(num, 1, 1, 1)
+        masked = positions.view(1, 1, 1, -1) >= last
+        if meta.sliding_window is not None:
+            masked |= positions.view(1, 1, 1, -1) < last - meta.sliding_window
+        scores.masked_fill_(masked, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out = torch.einsum("nhgl,nlhd->nhgd", probs, values)
+        return out.reshape(num, self.num_heads, self.head_dim)
+
+    def _prefill(self, query, key, value, k_cache, v_cache, span, window) -> torch.Tensor:
+        if span.seq_len == span.query_len and window is None:
+            keys, values = key, value   # nothing cached before: attend to the chunk itself
+            mask, causal = None, True
+        else:
+            keys = gather_context(k_cache, span.block_table, span.seq_len)
+            values = gather_context(v_cache, span.block_table, span.seq_len)
+            mask = causal_mask(span.query_len, span.seq_len, window, query.device)
+            causal = False
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
+        return out.transpose(0, 1)

@@ -1,0 +1,120 @@
+"""Engine configuration: frozen dataclasses, validated once; the CLI flags are derived from them.
+
+Each field carries its help text (and choices) in its metadata, so `tokenmill serve --help` and
+`LLM(**kwargs)` speak the same names. Leaf module: imports nothing internal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _opt(DEFAULT_MODEL, "model: a known name (see `tokenmill pull --list`), a .gguf "
+                      "file or a Hugging Face directory")
+    tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's own)")
+    dtype: str = _opt("auto", "compute dtype ('auto': float32 on CPU, bfloat16 on CUDA)",
+                      ("auto", "float32", "bfloat16", "float16"))
+    device: str = _opt("cpu", "torch device to run on (cpu, cuda, cuda:1, ...)")
+    max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the "
+                                     "model's context length)")
+    seed: int = _opt(0, "seed for requests that do not set one")
+    num_threads: int | None = _opt(None, "CPU threads for torch (default: all cores)")
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "model", "must not be empty")
+        _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+                 f"must be >= 1, got {self.max_model_len}")
+        _require(self.num_threads is None or self.num_threads >= 1, "num_threads",
+                 f"must be >= 1, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _opt(16, "tokens per KV cache block")
+    kv_cache_memory: float | None = _opt(None, "KV cache size in GiB (default: a fraction of free "
+                                         "memory, see --kv-cache-memory-fraction)")
+    kv_cache_memory_fraction: float = _opt(0.2, "fraction of free memory given to the KV cache "
+                                           "when --kv-cache-memory is not set")
+    num_kv_blocks: int | None = _opt(None, "exact number of KV blocks (overrides the memory "
+                                     "settings; for tests and tuning)")
+    prefix_cache: bool = _opt(True, "reuse the KV cache of shared prompt prefixes (radix tree)")
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+                 "block_size", f"must be a power of two, got {self.block_size}")
+        _require(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory",
+                 f"must be > 0 GiB, got {self.kv_cache_memory}")
+        _require(0 < self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction",
+                 f"must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
+        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
+                 f"must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = _opt(512, "token budget of one engine step (prefill chunks + "
+                                       "decodes)")
+    max_num_seqs: int = _opt(64, "most requests running at once")
+    max_prefill_chunk: int | None = _opt(None, "most prompt tokens one request computes in a "
+                                         "step (default: the whole step budget)")
+    policy: str = _opt("fcfs", "waiting-queue order: first come first served, or by request "
+                       "priority (lower value first, ties by arrival)", ("fcfs", "priority"))
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+                 f"must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_prefill_chunk is None or self.max_prefill_chunk >= 1,
+                 "max_prefill_chunk", f"must be >= 1, got {self.max_prefill_chunk}")
+        _require(self.policy in ("fcfs", "priority"), "policy",
+                 f"must be 'fcfs' or 'priority', got {self.policy!r}")
+
+    @property
+    def chunk_cap(self) -> int:
+        return min(self.max_prefill_chunk or self.max_num_batched_tokens,
+                   self.max_num_batched_tokens)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat keyword arguments (`max_num_seqs=8, block_size=32, ...`)."""
+        by_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        owner = {f.name: section for section, klass in SECTIONS.items()
+                 for f in dataclasses.fields(klass)}
+        for key, value in kwargs.items():
+            if key not in owner:
+                raise ValueError(f"{key}: unknown engine option (known: {', '.join(sorted(owner))})")
+            by_section[owner[key]][key] = value
+        return cls(**{name: SECTIONS[name](**vals) for name, vals in by_section.items()})
+
+    def to_flat(self) -> dict[str, Any]:
+        return {f.name: getattr(getattr(self, section), f.name)
+                for section, klass in SECTIONS.items() for f in dataclasses.fields(klass)}

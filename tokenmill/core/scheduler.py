@@ -1,0 +1,257 @@
+"""Scheduler: token-budget continuous batching with chunked prefill and preemption.
+
+Each step has a budget of `max_num_batched_tokens`. Running requests are served first (a
+decode costs one token, an unfinished prompt continues with its next chunk), then waiting
+requests are admitted while budget, `max_num_seqs` and KV blocks allow. When blocks run out,
+the lowest-priority, latest-arrived running request is preempted: its blocks are freed (its
+full blocks stay in the prefix cache) and it is recomputed from its tokens when it resumes.
+
+Pure Python over ints and lists: no torch, no model.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.core.queue import WaitingQueue
+from tokenmill.kv.manager import NO_MATCH, KVCacheManager
+from tokenmill.metrics.stats import SchedulerStats
+from tokenmill.outputs import (CachedRequestData, EngineCoreOutput, FinishReason, NewRequestData,
+                               RunnerOutput, SchedulerOutput)
+from tokenmill.request import Request, RequestStatus
+
+
+class _StepPlan:
+    """What one schedule() call has decided so far."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.num_tokens: dict[str, int] = {}
+        self.new_blocks: dict[str, list[int]] = {}
+        self.new_requests: list[Request] = []
+        self.preempted: list[Request] = []
+
+    def add(self, request: Request, num_tokens: int, blocks: list[int]) -> None:
+        self.num_tokens[request.request_id] = num_tokens
+        self.new_blocks[request.request_id] = blocks
+        self.budget -= num_tokens
+
+    def drop(self, request: Request) -> None:
+        num = self.num_tokens.pop(request.request_id, 0)
+        self.new_blocks.pop(request.request_id, None)
+        self.budget += num
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._dropped_ids: set[str] = set()   # the worker must forget these at the next step
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate id {request.request_id}"
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: list[str], reason: FinishReason,
+                        stop_reason: str | int | None = None) -> list[Request]:
+        """End requests from outside the step (abort, stop string, error)."""
+        finished = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish(reason, stop_reason)
+            self._release(request)
+            finished.append(request)
+        return finished
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    def stats(self) -> SchedulerStats:
+        prefix = self.kv.stats
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
+            prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
+            prefix_cache_evicted_blocks=prefix.evicted_blocks,
+            prefix_cache_blocks=self.kv.tree.num_cached_blocks)
+
+    # ---- scheduling ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        return self._emit(plan)
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        return min(remaining, self.config.chunk_cap, budget)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        for request in list(self.running):
+            if plan.budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._chunk(request, plan.budget)
+            if num_new <= 0:
+                continue
+            blocks = self._allocate_or_preempt(request, num_new, plan)
+            if blocks is not None:
+                plan.add(request, num_new, blocks)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             plan: _StepPlan) -> list[int] | None:
+        while True:
+            blocks = self.kv.allocate(request, num_new)
+            if blocks is not None:
+                return blocks
+            victim = max(self.running, key=self._victim_key)
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _victim_key(self, request: Request) -> tuple:
+        priority = request.priority if self.config.policy == "priority" else 0
+        return (priority, request.arrival_time)
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self.running.remove(request)
+        plan.drop(request)
+        self.kv.commit(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(request)
+        self._dropped_ids.add(request.request_id)
+        plan.preempted.append(request)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        for request in list(self.waiting):
+            if plan.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if self._waits_for_source(request):
+                continue
+            if not self._admit(request, plan) and not self._preempt_for(request, plan):
+                return
+
+    def _waits_for_source(self, request: Request) -> bool:
+        """An n > 1 sibling waits until the prompt it shares has been computed once."""
+        source = self.requests.get(request.prompt_source_id or "")
+        return (source is not None and not source.is_finished
+                and source.num_computed_tokens < source.num_prompt_tokens)
+
+    def _admit(self, request: Request, plan: _StepPlan) -> bool:
+        source = self.requests.get(request.prompt_source_id or "")
+        match = self.kv.lookup(request, source) if source or self.kv.prefix_cache else NO_MATCH
+        num_cached = match.num_tokens(self.kv.block_size)
+        request.num_computed_tokens = num_cached
+        num_new = self._chunk(request, plan.budget)
+        blocks = self.kv.allocate(request, num_new, match)
+        if blocks is None:
+            request.num_computed_tokens = 0
+            return False
+        self.waiting.remove(request)
+        self.running.append(request)
+        if request.status == RequestStatus.WAITING:
+            request.num_cached_tokens = num_cached
+        if self.kv.prefix_cache:
+            self.kv.stats.record_lookup(request.num_tokens, num_cached)
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        plan.add(request, num_new, list(self.kv.block_ids(request.request_id)))
+        plan.new_requests.append(request)
+        return True
+
+    def _preempt_for(self, request: Request, plan: _StepPlan) -> bool:
+        """Priority policy: a waiting request may take the blocks of lower-priority runners."""
+        if self.config.policy != "priority":
+            return False
+        while True:
+            victims = [r for r in self.running if self._victim_key(r) > self._victim_key(request)]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=self._victim_key), plan)
+            if self._admit(request, plan):
+                return True
+
+    def _emit(self, plan: _StepPlan) -> SchedulerOutput:
+        new_ids = {r.request_id for r in plan.new_requests}
+        new_data, cached_data = [], []
+        for request in self.running:
+            rid = request.request_id
+            if rid not in plan.num_tokens:
+                continue
+            if rid in new_ids:
+                new_data.append(NewRequestData(
+                    rid, list(request.all_token_ids), request.num_prompt_tokens,
+                    request.sampling_params, request.seed, list(plan.new_blocks[rid]),
+                    request.num_computed_tokens))
+            else:
+                cached_data.append(CachedRequestData(rid, plan.new_blocks[rid],
+                                                     request.num_computed_tokens))
+            request.num_computed_tokens += plan.num_tokens[rid]
+        dropped, self._dropped_ids = self._dropped_ids, set()
+        return SchedulerOutput(new_data, cached_data, dict(plan.num_tokens),
+                               sum(plan.num_tokens.values()), dropped, len(plan.preempted))
+
+    # ---- results -------------------------------------------------------------------------
+
+    def update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, finish requests, cache newly full blocks."""
+        outputs = []
+        now = time.monotonic()
+        for rid, token_ids in zip(result.req_ids, result.sampled_token_ids):
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            kept = []
+            for token in token_ids:
+                request.append_token(token)
+                kept.append(token)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                if request.check_stop(self.max_model_len):
+                    break
+            self.kv.commit(request)
+            prompt_logprobs = result.prompt_logprobs.get(rid)
+            if kept or prompt_logprobs:
+                outputs.append(self._core_output(request, kept, result, prompt_logprobs))
+            if request.is_finished:
+                self.running.remove(request)
+                self._release(request)
+        return outputs
+
+    def _core_output(self, request: Request, kept: list[int], result: RunnerOutput,
+                     prompt_logprobs) -> EngineCoreOutput:
+        logprobs = result.logprobs.get(request.request_id)
+        return EngineCoreOutput(
+            request.request_id, kept, logprobs[:len(kept)] if logprobs else None,
+            prompt_logprobs, request.finish_reason, request.stop_reason,
+            request.num_cached_tokens, request.first_scheduled_time, request.num_preemptions)
+
+    def _release(self, request: Request) -> None:
+        self.kv.commit(request)
+        self.kv.free(request)
+        self._dropped_ids.add(request.request_id)
+        del self.requests[request.request_id]

@@ -1,0 +1,212 @@
+"""RadixTree: a prefix tree over block-aligned runs of token ids, holding KV block ids.
+
+Each edge (node) carries a run of whole blocks: `key` has `len(block_ids) * block_size` tokens.
+Children are keyed by the tokens of their first block, so two children never share one. A
+namespace (LoRA adapter, cache salt) gets its own root, so its prefixes are never shared.
+
+Requests lock the deepest node they use; a lock counts on the node and all its ancestors, and
+only unlocked leaves are evicted, least recently used first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Hashable
+
+Namespace = Hashable
+
+
+class Node:
+    __slots__ = ("key", "block_ids", "children", "parent", "lock_count", "last_access")
+
+    def __init__(self, key: tuple[int, ...], block_ids: list[int], parent: "Node | None") -> None:
+        self.key = key
+        self.block_ids = block_ids
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.parent = parent
+        self.lock_count = 0
+        self.last_access = 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+
+class RadixTree:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._roots: dict[Namespace, Node] = {}
+        self._node_of_block: dict[int, Node] = {}
+        self._clock = itertools.count(1)
+        self.num_evictable_blocks = 0  # blocks in unlocked nodes
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._node_of_block)
+
+    def contains_block(self, block: int) -> bool:
+        return block in self._node_of_block
+
+    def node_of(self, block: int) -> Node:
+        return self._node_of_block[block]
+
+    def root(self, namespace: Namespace) -> Node:
+        node = self._roots.get(namespace)
+        if node is None:
+            node = self._roots[namespace] = Node((), [], None)
+        return node
+
+    def match(self, token_ids: list[int], namespace: Namespace) -> tuple[Node, list[int]]:
+        """Longest cached prefix of `token_ids` in whole blocks: (deepest node, its block ids)."""
+        node, blocks, _ = self._walk(token_ids, namespace)
+        return node, blocks
+
+    # ---- updates -------------------------------------------------------------------------
+
+    def insert(self, token_ids: list[int], block_ids: list[int],
+               namespace: Namespace) -> tuple[Node, int]:
+        """Cache `block_ids` as holding `token_ids` (whole blocks).
+
+        Blocks whose tokens the tree already holds (in other blocks) are left out; returns the
+        deepest node for the run and how many of the given blocks were added.
+        """
+        bs = self.block_size
+        assert len(token_ids) == len(block_ids) * bs
+        node, _, depth = self._walk(token_ids, namespace)
+        if depth == len(block_ids):
+            return node, 0
+        new_blocks = block_ids[depth:]
+        leaf = Node(tuple(token_ids[depth * bs:]), list(new_blocks), node)
+        leaf.last_access = next(self._clock)
+        node.children[leaf.key[:bs]] = leaf
+        for block in new_blocks:
+            assert block not in self._node_of_block, f"block {block} cached twice"
+            self._node_of_block[block] = leaf
+        self.num_evictable_blocks += len(new_blocks)  # a new leaf starts unlocked
+        return leaf, len(new_blocks)
+
+    def lock(self, node: Node) -> None:
+        for n in self._path_up(node):
+            if n.lock_count == 0:
+                self.num_evictable_blocks -= len(n.block_ids)
+            n.lock_count += 1
+
+    def unlock(self, node: Node) -> None:
+        for n in self._path_up(node):
+            assert n.lock_count > 0, "unlock without lock"
+            n.lock_count -= 1
+            if n.lock_count == 0:
+                self.num_evictable_blocks += len(n.block_ids)
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Free unlocked leaves, least recently used first, until `num_blocks` are freed."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._evictable(n)]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < num_blocks:
+            _, _, node = heapq.heappop(heap)
+            freed.extend(self._remove_leaf(node))
+            parent = node.parent
+            if parent is not None and self._evictable(parent):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _walk(self, token_ids: list[int], namespace: Namespace) -> tuple[Node, list[int], int]:
+        """Follow `token_ids` down whole blocks, splitting a node matched only in part."""
+        bs = self.block_size
+        node = self.root(namespace)
+        blocks: list[int] = []
+        pos = 0
+        tick = next(self._clock)
+        while pos + bs <= len(token_ids):
+            child = node.children.get(tuple(token_ids[pos:pos + bs]))
+            if child is None:
+                break
+            matched = 1
+            while (matched < len(child.block_ids) and pos + (matched + 1) * bs <= len(token_ids)
+                   and child.key[matched * bs:(matched + 1) * bs]
+                   == tuple(token_ids[pos + matched * bs:pos + (matched + 1) * bs])):
+                matched += 1
+            if matched < len(child.block_ids):
+                child = self._split(child, matched)
+            child.last_access = tick
+            blocks.extend(child.block_ids)
+            pos += matched * bs
+            node = child
+        return node, blocks, pos // bs
+
+    def _split(self, node: Node, num_head_blocks: int) -> Node:
+        """Cut `node` after `num_head_blocks`; returns the new upper part."""
+        bs = self.block_size
+        parent = node.parent
+        assert parent is not None
+        head = Node(node.key[:num_head_blocks * bs], node.block_ids[:num_head_blocks], parent)
+        head.lock_count = node.lock_count
+        head.last_access = node.last_access
+        parent.children[head.key[:bs]] = head
+        node.key = node.key[num_head_blocks * bs:]
+        node.block_ids = node.block_ids[num_head_blocks:]
+        node.parent = head
+        head.children[node.key[:bs]] = node
+        for block in head.block_ids:
+            self._node_of_block[block] = head
+        return head
+
+    def _remove_leaf(self, node: Node) -> list[int]:
+        assert not node.children and node.lock_count == 0 and node.parent is not None
+        del node.parent.children[node.key[:self.block_size]]
+        for block in node.block_ids:
+            del self._node_of_block[block]
+        self.num_evictable_blocks -= len(node.block_ids)
+        return node.block_ids
+
+    def _evictable(self, node: Node) -> bool:
+        return not node.is_root and not node.children and node.lock_count == 0
+
+    @staticmethod
+    def _path_up(node: Node):
+        while node is not None and not node.is_root:
+            yield node
+            node = node.parent
+
+    def _nodes(self):
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            if not node.is_root:
+                yield node
+            stack.extend(node.children.values())
+
+    # ---- integrity -----------------------------------------------------------------------
+
+    def check_integrity(self, expected_locks: dict[int, int]) -> None:
+        """`expected_locks`: id(node) -> number of requests whose lock node is that node."""
+        bs = self.block_size
+        seen_blocks = 0
+        evictable = 0
+        subtree_locks: dict[int, int] = {}
+        for node in sorted(self._nodes(), key=self._depth, reverse=True):
+            assert node.block_ids and len(node.key) == len(node.block_ids) * bs
+            assert node.parent.children.get(node.key[:bs]) is node
+            for block in node.block_ids:
+                assert self._node_of_block.get(block) is node
+            seen_blocks += len(node.block_ids)
+            locks = expected_locks.get(id(node), 0) + subtree_locks.get(id(node), 0)
+            assert node.lock_count == locks, f"lock count {node.lock_count} != {locks}"
+            subtree_locks[id(node.parent)] = subtree_locks.get(id(node.parent), 0) + locks
+            if locks == 0:
+                evictable += len(node.block_ids)
+        assert seen_blocks == len(self._node_of_block)
+        assert evictable == self.num_evictable_blocks, (evictable, self.num_evictable_blocks)
+
+    @staticmethod
+    def _depth(node: Node) -> int:
+        depth = 0
+        while node.parent is not None:
+            node, depth = node.parent, depth + 1
+        return depth

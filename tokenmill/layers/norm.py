@@ -1,0 +1,23 @@
+"""RMSNorm with the residual add fused in (the pre-norm transformer's two hot elementwise ops)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [num_tokens, hidden]. Returns (normed, new residual = x + residual)."""
+        if residual is not None:
+            x = x + residual
+        residual = x
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype), residual

@@ -1,0 +1,64 @@
+"""Rotary position embeddings (rotate-half layout, as in Hugging Face Llama checkpoints)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_SCALING = ("default", "linear", "llama3", "freq_factors")
+
+
+def _inverse_frequencies(head_dim: int, base: float) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (base ** exponents)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths slowed by `factor`, short kept, a smooth ramp between."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    ramp = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    # ramp 0: long wavelength (scaled), ramp 1: short wavelength (kept).
+    return (1 - ramp) * inv_freq / factor + ramp * inv_freq
+
+
+def rope_inverse_frequencies(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = _inverse_frequencies(head_dim, base)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    if kind == "freq_factors":  # GGUF Llama 3.x: the divisors themselves are stored
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    raise ValueError(f"rope_scaling: type {kind!r} is not supported "
+                     f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, base: float,
+                 scaling: dict | None = None) -> None:
+        super().__init__()
+        inv_freq = rope_inverse_frequencies(head_dim, base, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_positions, head_dim/2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [num_tokens]; q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]."""
+        cos = self.cos[positions].repeat(1, 2).unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].repeat(1, 2).unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,61 @@
+"""Load a model from a GGUF file or a Hugging Face directory into our model classes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from tokenmill.models import gguf_loader
+from tokenmill.models.registry import model_class
+from tokenmill.models.spec import ModelSpec, spec_from_hf_config
+
+
+def _iter_safetensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors weights in {model_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name).to(dtype)
+
+
+def resolve_max_model_len(spec: ModelSpec, requested: int | None) -> int:
+    if requested is None:
+        return spec.max_position_embeddings
+    if requested > spec.max_position_embeddings:
+        raise ValueError(f"max_model_len: {requested} exceeds the model's context length "
+                         f"{spec.max_position_embeddings}")
+    return requested
+
+
+def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
+               max_model_len: int | None) -> tuple[nn.Module, ModelSpec, int]:
+    """Build the model for `path` (kind "gguf" or "hf") with weights in `dtype` on `device`.
+
+    Returns the model, its spec and the resolved max_model_len.
+    """
+    if kind == "gguf":
+        reader = gguf_loader.open_gguf(path)
+        spec = gguf_loader.spec_from_gguf(reader)
+        weights = gguf_loader.iter_gguf_weights(reader, spec, dtype)
+    else:
+        spec = spec_from_hf_config(path)
+        weights = _iter_safetensors(path, dtype)
+    max_positions = resolve_max_model_len(spec, max_model_len)
+    cls = model_class(spec.architecture)
+    with torch.device(device):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = cls(spec, max_positions)
+        finally:
+            torch.set_default_dtype(previous)
+    model.load_weights((name, w.to(device)) for name, w in weights)
+    return model.eval(), spec, max_positions
+
+

@@ -1,0 +1,91 @@
+"""ModelRunner: keeps per-request state and the KV cache, runs one forward per step, samples."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.attention.metadata import ForwardContext
+from tokenmill.models.spec import ModelSpec
+from tokenmill.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenmill.sample.logprobs import token_logprobs
+from tokenmill.sample.sampler import SamplingRow, sample
+from tokenmill.worker.batch import StepBatch, build_batch
+from tokenmill.worker.request_state import RequestState
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, spec: ModelSpec, block_size: int,
+                 device: torch.device, dtype: torch.dtype, eos_token_ids: frozenset[int]) -> None:
+        self.model = model
+        self.spec = spec
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, RequestState] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.spec.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        self._update_states(scheduled)
+        if scheduled.is_empty:
+            return RunnerOutput([], [])
+        request_ids = list(scheduled.num_scheduled_tokens)
+        states = [self.requests[rid] for rid in request_ids]
+        num_new = [scheduled.num_scheduled_tokens[rid] for rid in request_ids]
+        batch = build_batch(states, num_new, self.block_size, self.spec.sliding_window,
+                            self.device)
+        hidden = self.model(batch.input_ids, batch.positions,
+                            ForwardContext(batch.attn, self.kv_caches))  # [num_tokens, hidden]
+        for state, n in zip(states, num_new):
+            state.num_computed_tokens += n
+        sampled, logprobs = self._sample(hidden, batch)
+        return RunnerOutput(
+            req_ids=batch.request_ids,
+            sampled_token_ids=[sampled.get(rid, []) for rid in batch.request_ids],
+            logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(hidden, batch))
+
+    def _update_states(self, scheduled: SchedulerOutput) -> None:
+        for rid in scheduled.finished_request_ids:
+            self.requests.pop(rid, None)
+        for data in scheduled.new_requests:
+            self.requests[data.request_id] = RequestState.from_new(data)
+        for data in scheduled.cached_requests:
+            state = self.requests[data.request_id]
+            state.block_ids.extend(data.new_block_ids)
+            assert state.num_computed_tokens == data.num_computed_tokens, data.request_id
+
+    def _sample(self, hidden: torch.Tensor, batch: StepBatch
+                ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+        if not batch.sample_rows:
+            return {}, {}
+        rows_index = torch.tensor(batch.sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows_index])          # [rows, vocab]
+        states = [self.requests[rid] for rid in batch.sample_request_ids]
+        rows = [SamplingRow(s.params, s.seed, len(s.token_ids) - s.num_prompt_tokens,
+                            s.prompt_token_ids, s.output_token_ids, self.eos_token_ids)
+                for s in states]
+        token_ids, logprobs = sample(logits, rows)
+        for state, token in zip(states, token_ids):
+            state.token_ids.append(token)
+        sampled = {s.request_id: [t] for s, t in zip(states, token_ids)}
+        chosen = {s.request_id: [lp] for s, lp in zip(states, logprobs) if lp is not None}
+        return sampled, chosen
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch
+                         ) -> dict[str, list[TokenLogprobs]]:
+        result = {}
+        for entry in batch.prompt_logprob_rows:
+            logits = self.model.compute_logits(hidden[entry.rows])
+            targets = torch.tensor(entry.target_ids, device=self.device)
+            num_top = self.requests[entry.request_id].params.prompt_logprobs
+            result[entry.request_id] = token_logprobs(logits.log_softmax(dim=-1), targets,
+                                                      [num_top] * len(entry.target_ids))
+        return result

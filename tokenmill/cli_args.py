@@ -29,16 +29,20 @@ def _add_field(group, field: dataclasses.Field, help_text: str | None = None,
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per config field; `skip` leaves out fields the command sets its own way."""
+    names = []
     for section, klass in SECTIONS.items():
         group = parser.add_argument_group(f"{section} options")
         for field in dataclasses.fields(klass):
             if field.name not in skip:
                 _add_field(group, field)
+                names.append(field.name)
+    parser.set_defaults(engine_fields=names)
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    names = {f.name for klass in SECTIONS.values() for f in dataclasses.fields(klass)}
-    return EngineConfig.from_kwargs(**{k: v for k, v in vars(args).items() if k in names})
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    values = {name: getattr(args, name) for name in args.engine_fields}
+    return EngineConfig.from_kwargs(**values, **overrides)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int | None = 256) -> None:

@@ -72,8 +72,9 @@ class SchedulerConfig:
     max_num_seqs: int = _opt(64, "most requests running at once")
     max_prefill_chunk: int | None = _opt(None, "most prompt tokens one request computes in a "
                                          "step (default: the whole step budget)")
-    policy: str = _opt("fcfs", "waiting-queue order: first come first served, or by request "
-                       "priority (lower value first, ties by arrival)", ("fcfs", "priority"))
+    policy: str = _opt("fcfs", "waiting-queue order: first come first served; by request "
+                       "priority (lower value first, ties by arrival); or 'lpm', longest cached "
+                       "prefix first (bounded so none starves)", ("fcfs", "priority", "lpm"))
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
@@ -81,8 +82,8 @@ class SchedulerConfig:
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _require(self.max_prefill_chunk is None or self.max_prefill_chunk >= 1,
                  "max_prefill_chunk", f"must be >= 1, got {self.max_prefill_chunk}")
-        _require(self.policy in ("fcfs", "priority"), "policy",
-                 f"must be 'fcfs' or 'priority', got {self.policy!r}")
+        _require(self.policy in ("fcfs", "priority", "lpm"), "policy",
+                 f"must be 'fcfs', 'priority' or 'lpm', got {self.policy!r}")
 
     @property
     def chunk_cap(self) -> int:

@@ -22,6 +22,10 @@ from tokenmill.outputs import (CachedRequestData, EngineCoreOutput, FinishReason
 from tokenmill.request import Request, RequestStatus
 
 
+_LPM_MAX_QUEUE = 128   # longer queues: FCFS, sorting by prefix would cost more than it saves
+_LPM_MAX_SKIPS = 32    # a request passed over this often by later arrivals goes first
+
+
 class _StepPlan:
     """What one schedule() call has decided so far."""
 
@@ -53,6 +57,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._dropped_ids: set[str] = set()   # the worker must forget these at the next step
+        self._skips: dict[str, int] = {}      # LPM: times later arrivals were admitted first
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -123,7 +128,9 @@ class Scheduler:
             blocks = self.kv.allocate(request, num_new)
             if blocks is not None:
                 return blocks
-            victim = max(self.running, key=self._victim_key)
+            # Ties (n > 1 siblings share an arrival time) take the latest admitted: taking the
+            # first let two siblings preempt each other in turn forever.
+            victim = max(reversed(self.running), key=self._victim_key)
             self._preempt(victim, plan)
             if victim is request:
                 return None
@@ -146,13 +153,50 @@ class Scheduler:
         plan.preempted.append(request)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        for request in list(self.waiting):
+        order = self._waiting_order()
+        for position, request in enumerate(order):
             if plan.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if self._waits_for_source(request):
+            if self._waits_for_source(request) or self._prefix_in_flight(request):
                 continue
             if not self._admit(request, plan) and not self._preempt_for(request, plan):
                 return
+            self._count_skips(order[:position], request)
+
+    def _waiting_order(self) -> list[Request]:
+        """LPM: longest cached prefix first (stable, so ties keep arrival order); requests
+        passed over too often go first; past a queue length, plain FCFS (cheaper)."""
+        queue = list(self.waiting)
+        if self.config.policy != "lpm" or len(queue) > _LPM_MAX_QUEUE or not self.kv.prefix_cache:
+            return queue
+        starving = [r for r in queue if self._skips.get(r.request_id, 0) >= _LPM_MAX_SKIPS]
+        rest = [r for r in queue if self._skips.get(r.request_id, 0) < _LPM_MAX_SKIPS]
+        rest.sort(key=lambda r: -self.kv.num_cached_tokens(r))
+        return starving + rest
+
+    def _count_skips(self, ahead: list[Request], admitted: Request) -> None:
+        self._skips.pop(admitted.request_id, None)
+        if self.config.policy == "lpm":
+            for request in ahead:
+                if request.arrival_time <= admitted.arrival_time and request in self.waiting:
+                    self._skips[request.request_id] = self._skips.get(request.request_id, 0) + 1
+
+    def _prefix_in_flight(self, request: Request) -> bool:
+        """A running request is computing this prompt's next uncached block right now: wait a
+        step or two for it to land in the cache rather than compute it twice."""
+        if not self.kv.prefix_cache:
+            return False
+        start = self.kv.num_cached_tokens(request)
+        end = start + self.kv.block_size
+        if end >= request.num_tokens:
+            return False
+        block = request.all_token_ids[start:end]
+        return any(other.num_computed_tokens < end <= other.num_tokens
+                   and other.cache_salt == request.cache_salt
+                   and other.all_token_ids[start:end] == block
+                   and other.all_token_ids[:self.kv.block_size]
+                   == request.all_token_ids[:self.kv.block_size]
+                   for other in self.running)
 
     def _waits_for_source(self, request: Request) -> bool:
         """An n > 1 sibling waits until the prompt it shares has been computed once."""
@@ -191,7 +235,7 @@ class Scheduler:
             victims = [r for r in self.running if self._victim_key(r) > self._victim_key(request)]
             if not victims:
                 return False
-            self._preempt(max(victims, key=self._victim_key), plan)
+            self._preempt(max(reversed(victims), key=self._victim_key), plan)
             if self._admit(request, plan):
                 return True
 
@@ -254,4 +298,5 @@ class Scheduler:
         self.kv.commit(request)
         self.kv.free(request)
         self._dropped_ids.add(request.request_id)
+        self._skips.pop(request.request_id, None)
         del self.requests[request.request_id]

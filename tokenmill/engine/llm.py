@@ -33,7 +33,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: int | Sequence[int] = 0, use_tqdm: bool = False
                  ) -> list[RequestOutput]:
-        """Prompts: text, token ids, {"prompt_token_ids": ...}, or a list of those."""
+        """Prompts: text, token ids, {"prompt": ...} or {"prompt_token_ids": ...} (optionally
+        with "cache_salt", which keeps that request's cached prefix private), or a list."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -56,7 +57,9 @@ class LLM:
         try:
             for item, p, prio in zip(items, params, priorities):
                 rid = self.engine.next_request_id()
-                self.engine.add_request(rid, item.get("prompt"), p, item.get("messages"), prio)
+                prompt = item.get("prompt")
+                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                self.engine.add_request(rid, prompt, p, item.get("messages"), prio, salt)
                 ids.append(rid)
         except ValueError:
             for rid in ids:

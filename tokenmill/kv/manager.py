@@ -74,6 +74,13 @@ class KVCacheManager:
         """Fraction of blocks held by requests (cached-only blocks count as available)."""
         return 1.0 - self.num_available_blocks / self.num_blocks
 
+    def num_cached_tokens(self, request: Request) -> int:
+        """Tokens of the request's prefix the tree holds now (a peek: locks nothing)."""
+        if not self.prefix_cache or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        tokens = request.all_token_ids[:request.num_tokens - 1]
+        return self.tree.match_length(tokens, namespace_of(request)) * self.block_size
+
     def lookup(self, request: Request, source: Request | None = None) -> PrefixMatch:
         """The cached prefix a (re)starting request can reuse, in whole blocks.
 

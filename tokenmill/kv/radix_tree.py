@@ -59,6 +59,19 @@ class RadixTree:
             node = self._roots[namespace] = Node((), [], None)
         return node
 
+    def match_length(self, token_ids: list[int], namespace: Namespace) -> int:
+        """How many whole blocks of `token_ids` are cached; changes nothing (no split, no LRU)."""
+        node = self._roots.get(namespace)
+        pos = 0
+        while node is not None and pos + self.block_size <= len(token_ids):
+            child = node.children.get(tuple(token_ids[pos:pos + self.block_size]))
+            if child is None:
+                break
+            matched = self._count_matching_blocks(child, token_ids, pos)
+            pos += matched * self.block_size
+            node = child if matched == len(child.block_ids) else None
+        return pos // self.block_size
+
     def match(self, token_ids: list[int], namespace: Namespace) -> tuple[Node, list[int]]:
         """Longest cached prefix of `token_ids` in whole blocks: (deepest node, its block ids)."""
         node, blocks, _ = self._walk(token_ids, namespace)
@@ -127,11 +140,7 @@ class RadixTree:
             child = node.children.get(tuple(token_ids[pos:pos + bs]))
             if child is None:
                 break
-            matched = 1
-            while (matched < len(child.block_ids) and pos + (matched + 1) * bs <= len(token_ids)
-                   and child.key[matched * bs:(matched + 1) * bs]
-                   == tuple(token_ids[pos + matched * bs:pos + (matched + 1) * bs])):
-                matched += 1
+            matched = self._count_matching_blocks(child, token_ids, pos)
             if matched < len(child.block_ids):
                 child = self._split(child, matched)
             child.last_access = tick
@@ -139,6 +148,16 @@ class RadixTree:
             pos += matched * bs
             node = child
         return node, blocks, pos // bs
+
+    def _count_matching_blocks(self, child: Node, token_ids: list[int], pos: int) -> int:
+        """Blocks of `child` equal to token_ids from `pos` on (the first is known to match)."""
+        bs = self.block_size
+        matched = 1
+        while (matched < len(child.block_ids) and pos + (matched + 1) * bs <= len(token_ids)
+               and child.key[matched * bs:(matched + 1) * bs]
+               == tuple(token_ids[pos + matched * bs:pos + (matched + 1) * bs])):
+            matched += 1
+        return matched
 
     def _split(self, node: Node, num_head_blocks: int) -> Node:
         """Cut `node` after `num_head_blocks`; returns the new upper part."""

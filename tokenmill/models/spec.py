@@ -56,6 +56,10 @@ def spec_from_hf_config(model_dir: Path) -> ModelSpec:
     if generation.exists():
         eos = tuple(dict.fromkeys(eos + _as_tuple(json.loads(generation.read_text())
                                                   .get("eos_token_id"))))
+    if config.get("hidden_act", "silu") != "silu" or config.get("mlp_bias"):
+        raise ValueError(f"model: only SiLU-gated MLPs without bias are supported "
+                         f"(hidden_act={config.get('hidden_act')!r}, "
+                         f"mlp_bias={config.get('mlp_bias')})")
     architectures = config.get("architectures") or [config.get("model_type", "?")]
     heads = config["num_attention_heads"]
     theta, scaling = _rope(config)

@@ -1,0 +1,210 @@
+"""A scripted fake executor and a scheduler harness, for scheduler tests without a model.
+
+The fake executor behaves like a worker: it keeps each request's token list (from
+NewRequestData plus its own samples), forgets requests named in `finished_request_ids`, and
+"samples" a deterministic next token, `sum(tokens) % 100 + 3`, once a request's computed tokens
+reach its full length. It also simulates the paged KV cache: every computed token is written to
+its slot through the block table, and every step "attends" over all earlier positions, checking
+that the slots still hold the request's own tokens. So a block handed to two requests, a cached
+prefix with the wrong content, or an overwritten shared block all show up as wrong reads.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.kv.manager import KVCacheManager
+from tokenmill.outputs import FinishReason, RunnerOutput, SchedulerOutput
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+
+BS = 4
+
+
+def next_token(tokens: list[int]) -> int:
+    return sum(tokens) % 100 + 3
+
+
+def expected_output(prompt: list[int], max_tokens: int, eos: int | None = None) -> list[int]:
+    """What any correct schedule must produce: the unconstrained run, computed directly."""
+    tokens, out = list(prompt), []
+    while len(out) < max_tokens:
+        token = next_token(tokens)
+        tokens.append(token)
+        out.append(token)
+        if token == eos:
+            break
+    return out
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int, arrival: float,
+                 priority: int = 0, source: str | None = None, eos: int | None = None,
+                 salt: str | None = None) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=eos is None)
+    return Request(rid, list(prompt), params,
+                   frozenset() if eos is None else frozenset({eos}), seed=0,
+                   max_tokens=max_tokens, priority=priority, arrival_time=arrival,
+                   cache_salt=salt, prompt_source_id=source)
+
+
+@dataclass
+class _WorkerState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class FakeExecutor:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.states: dict[str, _WorkerState] = {}
+        self.kv_slots: dict[int, int] = {}       # slot -> token id written there
+
+    def _slot(self, state: _WorkerState, position: int) -> int:
+        block = state.block_ids[position // self.block_size]
+        return block * self.block_size + position % self.block_size
+
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        for rid in scheduled.finished_request_ids:
+            self.states.pop(rid, None)
+        for data in scheduled.new_requests:
+            assert data.request_id not in self.states
+            self.states[data.request_id] = _WorkerState(
+                list(data.token_ids), list(data.block_ids), data.num_computed_tokens)
+        for data in scheduled.cached_requests:
+            state = self.states[data.request_id]
+            assert state.num_computed_tokens == data.num_computed_tokens
+            state.block_ids.extend(data.new_block_ids)
+        self._check_block_tables()
+        written: dict[int, str] = {}
+        for rid, num in scheduled.num_scheduled_tokens.items():     # write K/V first ...
+            state = self.states[rid]
+            start = state.num_computed_tokens
+            assert num >= 1 and start + num <= len(state.token_ids)
+            assert len(state.block_ids) * self.block_size >= start + num
+            for position in range(start, start + num):
+                slot = self._slot(state, position)
+                assert slot not in written, f"{rid} and {written[slot]} write slot {slot}"
+                written[slot] = rid
+                self.kv_slots[slot] = state.token_ids[position]
+        req_ids, sampled = [], []
+        for rid, num in scheduled.num_scheduled_tokens.items():     # ... then attend
+            state = self.states[rid]
+            state.num_computed_tokens += num
+            for position in range(state.num_computed_tokens):
+                assert self.kv_slots.get(self._slot(state, position)) == \
+                    state.token_ids[position], f"{rid} reads a wrong KV at {position}"
+            req_ids.append(rid)
+            if state.num_computed_tokens == len(state.token_ids):
+                token = next_token(state.token_ids)
+                state.token_ids.append(token)
+                sampled.append([token])
+            else:
+                sampled.append([])                                  # prompt still chunked
+        return RunnerOutput(req_ids, sampled)
+
+    def _check_block_tables(self) -> None:
+        """Blocks a request writes to (past its computed full blocks) belong to it alone."""
+        owner: dict[int, str] = {}
+        for rid, state in self.states.items():
+            first_open = state.num_computed_tokens // self.block_size
+            for block in state.block_ids[first_open:]:
+                assert block not in owner, f"block {block} is writable by {rid} and {owner[block]}"
+                owner[block] = rid
+        for rid, state in self.states.items():
+            first_open = state.num_computed_tokens // self.block_size
+            for block in state.block_ids[:first_open]:
+                assert owner.get(block, rid) == rid, f"block {block} of {rid} can be overwritten"
+
+
+class Harness:
+    """Scheduler + KV manager + fake executor, with the per-step checks."""
+
+    def __init__(self, num_blocks: int = 64, prefix_cache: bool = True, max_model_len: int = 256,
+                 block_size: int = BS, **scheduler_options) -> None:
+        self.config = SchedulerConfig(**scheduler_options)
+        self.kv = KVCacheManager(num_blocks, block_size, prefix_cache)
+        self.scheduler = Scheduler(self.config, self.kv, max_model_len)
+        self.executor = FakeExecutor(block_size)
+        self.outputs: dict[str, list[int]] = defaultdict(list)
+        self.finish_reasons: dict[str, FinishReason] = {}
+        self.admitted: list[str] = []                 # request ids, in first-admission order
+        self.preempted: list[list[str]] = []          # per step
+        self.scheduled: list[SchedulerOutput] = []
+        self.all_requests: dict[str, Request] = {}
+        self.num_steps = 0
+
+    def add(self, *requests: Request) -> None:
+        for request in requests:
+            self.all_requests[request.request_id] = request
+            self.scheduler.add_request(request)
+
+    def victim_key(self, request: Request) -> tuple:
+        if self.config.policy == "priority":
+            return (request.priority, request.arrival_time)
+        return (0, request.arrival_time)
+
+    def step(self) -> SchedulerOutput:
+        sched, config = self.scheduler, self.config
+        running_before = list(sched.running)
+        decodes = [r for r in running_before if r.num_tokens - r.num_computed_tokens == 1]
+        out = sched.schedule()
+        self.num_steps += 1
+        self.scheduled.append(out)
+        counts = out.num_scheduled_tokens
+        assert out.total_num_scheduled_tokens == sum(counts.values())
+        assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
+        assert len(counts) <= config.max_num_seqs and len(sched.running) <= config.max_num_seqs
+        assert set(counts) <= {r.request_id for r in sched.running}
+        assert all(1 <= n <= config.chunk_cap for n in counts.values())
+        for data in out.new_requests:
+            if data.request_id not in self.admitted:
+                self.admitted.append(data.request_id)
+        preempted = [r for r in running_before if r.status == RequestStatus.PREEMPTED]
+        assert out.num_preemptions == len(preempted)
+        assert {r.request_id for r in preempted} <= out.finished_request_ids
+        if preempted:      # the lowest-priority, latest-arrived runners; ties: latest admitted
+            ranked = sorted(reversed(running_before), key=self.victim_key, reverse=True)
+            assert {r.request_id for r in ranked[:len(preempted)]} == \
+                {r.request_id for r in preempted}
+        elif len(decodes) <= config.max_num_batched_tokens:
+            for request in decodes:    # a decode is never starved by prompt chunks
+                assert counts.get(request.request_id) == 1, request.request_id
+        self.preempted.append([r.request_id for r in preempted])
+        result = self.executor.execute(out)
+        for output in sched.update(out, result):
+            assert output.request_id not in self.finish_reasons
+            self.outputs[output.request_id].extend(output.new_token_ids)
+            if output.finish_reason is not None:
+                self.finish_reasons[output.request_id] = output.finish_reason
+        self.kv.check_integrity()
+        return out
+
+    def run(self, max_steps: int = 1000) -> None:
+        while self.scheduler.has_unfinished:
+            assert self.num_steps < max_steps, "requests did not finish in time"
+            self.step()
+
+    def check_end(self) -> None:
+        """Nothing left: every block free after evict_all, the worker forgot everyone."""
+        assert not self.scheduler.has_unfinished and not self.scheduler.requests
+        self.step()                                   # delivers the last finished ids
+        assert self.executor.states == {}
+        self.kv.check_integrity()
+        self.kv.evict_all()
+        self.kv.check_integrity()
+        assert self.kv.pool.num_free == self.kv.num_blocks
+
+    def check_outputs(self, eos: dict[str, int] | None = None) -> None:
+        for rid, request in self.all_requests.items():
+            if self.finish_reasons.get(rid) == FinishReason.ABORT:
+                continue
+            want = expected_output(request.prompt_token_ids, request.max_tokens,
+                                   (eos or {}).get(rid))
+            assert self.outputs[rid] == want, rid
+            assert request.output_token_ids == want
+            assert self.finish_reasons[rid] == (
+                FinishReason.LENGTH if len(want) == request.max_tokens else FinishReason.STOP)

@@ -1,0 +1,83 @@
+"""The sampler on synthetic logits, where the right answers are known."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenmill.sample.penalties import apply_penalties
+from tokenmill.sample.sampler import SamplingRow, sample
+from tokenmill.sampling_params import SamplingParams
+
+
+def row(params: SamplingParams, index: int = 0, seed: int = 0, prompt=(), output=()):
+    return SamplingRow(params, seed, index, list(prompt), list(output), frozenset({0}))
+
+
+def test_greedy_picks_argmax():
+    logits = torch.tensor([[0.1, 3.0, 2.0], [5.0, -1.0, 4.9]])
+    ids, _ = sample(logits, [row(SamplingParams(temperature=0))] * 2)
+    assert ids == [1, 0]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().unsqueeze(0)
+    params = SamplingParams(temperature=1.0, seed=3)
+    draws = [sample(logits, [row(params, index=i, seed=3)])[0][0] for i in range(4000)]
+    for token, p in enumerate(probs.tolist()):
+        freq = draws.count(token) / len(draws)
+        assert abs(freq - p) < 4 * math.sqrt(p * (1 - p) / len(draws)), (token, freq, p)
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    cases = [(dict(top_k=2), {0, 1}), (dict(top_p=0.7), {0, 1}), (dict(min_p=0.3), {0, 1})]
+    for kwargs, support in cases:
+        params = SamplingParams(temperature=1.0, **kwargs)
+        seen = {sample(logits, [row(params, index=i, seed=i)])[0][0] for i in range(300)}
+        assert seen == support, kwargs
+
+
+def test_seeded_draw_depends_only_on_seed_and_index():
+    logits = torch.randn(3, 50)
+    params = SamplingParams(temperature=1.0)
+    together, _ = sample(logits, [row(params, 7, 11), row(params, 2, 5), row(params, 1, 9)])
+    alone, _ = sample(logits[1:2], [row(params, 2, 5)])
+    assert together[1] == alone[0]
+
+
+def test_min_tokens_masks_eos_and_stop_tokens():
+    logits = torch.tensor([[9.0, 1.0, 8.0, 0.0]])   # eos is 0
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2])
+    assert sample(logits, [row(params, index=1)])[0] == [1]
+    assert sample(logits, [row(params, index=2)])[0] == [0]
+
+
+def test_logprobs_rank_and_top():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    _, lps = sample(logits, [row(SamplingParams(temperature=0, logprobs=2))])
+    expected = logits.log_softmax(-1)[0]
+    assert lps[0].token_ids == [1, 1, 2] and lps[0].ranks == [1, 1, 2]
+    assert lps[0].logprobs[0] == pytest.approx(float(expected[1]))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-5, 5), min_size=6, max_size=6), st.lists(st.integers(0, 5), max_size=8),
+       st.lists(st.integers(0, 5), max_size=4), st.floats(-2, 2), st.floats(-2, 2),
+       st.floats(0.5, 2.0))
+def test_penalties_match_their_definitions(values, output, prompt, freq, pres, rep):
+    logits = torch.tensor([values])
+    params = SamplingParams(frequency_penalty=freq, presence_penalty=pres, repetition_penalty=rep)
+    got = apply_penalties(logits, [row(params, prompt=prompt, output=output)])[0]
+    for token, value in enumerate(values):
+        expected = value
+        if token in output or token in prompt:
+            expected = value / rep if value > 0 else value * rep
+        count = output.count(token)
+        expected -= freq * count + (pres if count else 0.0)
+        assert float(got[token]) == pytest.approx(expected, abs=1e-5)

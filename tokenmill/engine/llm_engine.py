@@ -57,9 +57,11 @@ class LLMEngine:
         for request in requests:
             self.core.add_request(request)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        self.core.finish(self.output_processor.core_ids(request_id), FinishReason.ABORT)
-        return self.output_processor.abort(request_id)
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
+                      error: str | None = None) -> RequestOutput | None:
+        """End a request from outside the step (caller gone, or a failed engine loop)."""
+        self.core.finish(self.output_processor.core_ids(request_id), reason)
+        return self.output_processor.abort(request_id, reason, error)
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()

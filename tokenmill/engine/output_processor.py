@@ -26,13 +26,14 @@ class _Sequence:
     cumulative_logprob: float | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    error: str | None = None
 
     def output(self) -> CompletionOutput:
         return CompletionOutput(
             self.index, self.detokenizer.visible_text(self.finish_reason is not None),
             list(self.token_ids), self.cumulative_logprob,
             list(self.logprobs) if self.logprobs is not None else None,
-            self.finish_reason, self.stop_reason)
+            self.finish_reason, self.stop_reason, self.error)
 
 
 @dataclass
@@ -104,13 +105,13 @@ class OutputProcessor:
         return [self._emit(state) for state in changed.values()], stopped
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
-              ) -> RequestOutput | None:
+              error: str | None = None) -> RequestOutput | None:
         state = self._states.get(request_id)
         if state is None:
             return None
         for sequence in state.sequences.values():
             if sequence.finish_reason is None:
-                sequence.finish_reason = reason
+                sequence.finish_reason, sequence.error = reason, error
         return self._emit(state)
 
     def _apply(self, state: _RequestState, seq: _Sequence, out: EngineCoreOutput,
@@ -136,6 +137,7 @@ class OutputProcessor:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
         elif out.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+            seq.error = out.error
         return stop
 
     def _emit(self, state: _RequestState) -> RequestOutput:

@@ -49,7 +49,7 @@ def test_shared_prefix_batch_same_output_and_reused(make_llm, cache_off):
 
 def test_multi_turn_chat_reuses_every_earlier_turn(llm, cache_off):
     conversations = [[{"role": "system", "content": SYSTEM}] for _ in range(3)]
-    params = SamplingParams(temperature=0, max_tokens=48)
+    params = SamplingParams(temperature=0, max_tokens=32)
     turns = [["Hello!", "Do you open on holidays?", "And on Sundays?", "Thanks, bye."],
              ["Hi there", "I lost a book.", "What does it cost?", "Can I pay by card?"],
              ["Good morning", "Any events today?", "For kids?", "What time?"]]

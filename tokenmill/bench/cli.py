@@ -16,6 +16,8 @@ def add_bench_parser(commands) -> None:
     offline.add_argument("--input-len-min", type=int, default=64)
     offline.add_argument("--input-len-max", type=int, default=512)
     offline.add_argument("--output-len", type=int, default=128)
+    offline.add_argument("--prefix-len", type=int, default=0,
+                         help="tokens of a random prefix every prompt shares (a system prompt)")
     offline.add_argument("--seed", type=int, default=0, help="prompt generator seed")
     offline.add_argument("--json", type=Path, default=None,
                          help="append the result as one JSON line to this file")
@@ -26,7 +28,7 @@ def add_bench_parser(commands) -> None:
 def _run_offline(args: argparse.Namespace) -> int:
     from tokenmill.bench.offline import print_result, run_offline, write_json
     result = run_offline(engine_config(args), args.num_prompts, args.input_len_min,
-                         args.input_len_max, args.output_len, args.seed)
+                         args.input_len_max, args.output_len, args.seed, args.prefix_len)
     print_result(result)
     if args.json:
         write_json(result, args.json)

@@ -47,11 +47,14 @@ class OfflineResult:
 
 
 def random_prompts(engine: LLMEngine, num: int, min_len: int, max_len: int,
-                   seed: int) -> list[list[int]]:
+                   seed: int, prefix_len: int = 0) -> list[list[int]]:
+    """Random token prompts; with `prefix_len`, all share one random prefix of that length
+    (a system prompt) before their own part of min_len..max_len tokens."""
     rng = random.Random(seed)
     special = set(engine.tokenizer.hf.all_special_ids)
     vocab = [t for t in range(engine.tokenizer.vocab_size) if t not in special]
-    return [[rng.choice(vocab) for _ in range(rng.randint(min_len, max_len))]
+    prefix = [rng.choice(vocab) for _ in range(prefix_len)]
+    return [prefix + [rng.choice(vocab) for _ in range(rng.randint(min_len, max_len))]
             for _ in range(num)]
 
 
@@ -94,13 +97,12 @@ def summarize(records: list[StepRecord], prompts: list[list[int]], output_len: i
 
 
 def run_offline(config: EngineConfig, num_prompts: int, min_len: int, max_len: int,
-                output_len: int, seed: int, prompts: list[list[int]] | None = None
-                ) -> OfflineResult:
+                output_len: int, seed: int, prefix_len: int = 0) -> OfflineResult:
     engine = LLMEngine(config)
     warmup = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
     engine.add_request("warmup", [1] * 16, warmup)
     run_steps(engine)
-    prompts = prompts or random_prompts(engine, num_prompts, min_len, max_len, seed)
+    prompts = random_prompts(engine, num_prompts, min_len, max_len, seed, prefix_len)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
     stats_before = engine.stats()
     start = time.perf_counter()

@@ -23,6 +23,8 @@ def add_bench_parser(commands) -> None:
                          help="append the result as one JSON line to this file")
     add_engine_args(offline, skip=("seed",))
     offline.set_defaults(run=_run_offline)
+    from tokenmill.bench.serve_cli import add_serve_bench_parsers
+    add_serve_bench_parsers(kinds)
 
 
 def _run_offline(args: argparse.Namespace) -> int:

@@ -1,0 +1,118 @@
+"""Every workload, scaled down, against a real `tokenmill serve` on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.conftest import Server
+from tokenmill.cli import main
+
+pytestmark = pytest.mark.slow
+
+FIELDS = ("label", "workload", "endpoint", "base_url", "model", "date", "settings", "num_ok",
+          "num_failed", "num_cancelled", "num_length_mismatch", "usage_reported", "duration_s",
+          "input_tokens", "output_tokens", "output_tok_s", "input_tok_s", "requests_s",
+          "goodput_requests_s", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "errors")
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server("--max-model-len", "4096")
+    yield srv
+    srv.stop()
+
+
+def _bench(server, tmp_path, *flags: str, command: str = "serve") -> list[dict]:
+    results = tmp_path / "results.jsonl"
+    code = main(["bench", command, "--base-url", server.url, "--results", str(results),
+                 "--warmup", "1", *flags])
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert code == 0, lines[-1]["errors"]
+    return lines
+
+
+def _check(result: dict, num_requests: int) -> None:
+    assert all(field in result for field in FIELDS)
+    assert result["num_failed"] == 0 and result["num_ok"] == num_requests, result["errors"]
+    assert result["num_length_mismatch"] == 0 and result["usage_reported"]
+    assert result["output_tok_s"] > 0 and result["ttft_ms"]["p99"] is not None
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(result[key]) == {"p50", "p90", "p99", "mean", "max"}
+
+
+WORKLOADS = {
+    "decode1": ["--num-requests", "2", "--input-len", "16", "--output-len", "8"],
+    "random": ["--num-requests", "4", "--input-len", "8:48", "--output-len", "4:10",
+               "--endpoint", "chat", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"],
+    "shared_prefix": ["--num-requests", "4", "--prefix-len", "64", "--input-len", "8",
+                      "--output-len", "6"],
+    "multiturn": ["--num-requests", "2", "--num-turns", "2", "--input-len", "12",
+                  "--output-len", "6"],
+}
+EXPECTED = {"decode1": 2, "random": 4, "shared_prefix": 4, "multiturn": 4}
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_workload(server, tmp_path, workload):
+    [result] = _bench(server, tmp_path, "--workload", workload, "--label", "t",
+                      *WORKLOADS[workload])
+    _check(result, EXPECTED[workload])
+    if workload == "random":
+        assert result["endpoint"] == "chat"
+        assert result["goodput_requests_s"] == pytest.approx(result["requests_s"])
+    if workload == "shared_prefix":
+        assert result["input_tokens"] == 4 * (64 + 8)
+
+
+def test_long_interference(server, tmp_path):
+    [result] = _bench(server, tmp_path, "--workload", "long_interference", "--num-requests",
+                      "2", "--input-len", "16", "--output-len", "24", "--long-len", "600")
+    _check(result, 3)
+    assert result["groups"]["long"]["num_ok"] == 1
+    assert result["groups"]["stream"]["itl_ms"]["max"] is not None
+
+
+def test_trace_and_request_rate(server, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"prompt_len": 20, "output_len": 5, "arrival_time": 0}\n'
+                     '{"prompt": " The sky is", "output_len": 4, "arrival_time": 0.3}\n')
+    [result] = _bench(server, tmp_path, "--workload", "trace", "--trace", str(trace))
+    _check(result, 2)
+    assert result["duration_s"] >= 0.3
+    result = _bench(server, tmp_path, "--workload", "random", "--request-rate", "20",
+                    "--num-requests", "3", "--input-len", "8", "--output-len", "4")[-1]
+    _check(result, 3)
+    assert result["settings"]["request_rate"] == 20
+
+
+def test_max_duration_cuts_off_without_failures(server, tmp_path):
+    results = tmp_path / "results.jsonl"
+    main(["bench", "serve", "--base-url", server.url, "--results", str(results), "--warmup",
+          "0", "--workload", "decode1", "--num-requests", "3", "--input-len", "8",
+          "--output-len", "2000", "--max-duration", "1"])
+    result = json.loads(results.read_text())
+    assert result["num_failed"] == 0 and result["num_cancelled"] == 1
+    assert result["duration_s"] < 5
+    idle = server.wait_idle()  # the cut-off request was aborted on the server
+    assert idle["tokenmill:num_requests_running"] == 0
+
+
+def test_sweep_plot_and_compare(server, tmp_path, capsys):
+    import matplotlib.image
+    flags = ["--workload", "random", "--num-requests", "3", "--input-len", "8",
+             "--output-len", "4", "--concurrencies", "1,3"]
+    _bench(server, tmp_path, *flags, "--label", "a", command="sweep")
+    lines = _bench(server, tmp_path, *flags, "--label", "b", command="sweep")
+    assert [r["settings"]["concurrency"] for r in lines] == [1, 3, 1, 3]
+    png = (tmp_path / "results.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert matplotlib.image.imread(tmp_path / "results.png").ndim == 3
+    capsys.readouterr()
+    assert main(["bench", "compare", str(tmp_path / "results.jsonl"), "--baseline", "a"]) == 0
+    table = capsys.readouterr().out
+    assert "ratios against a" in table and "1.00x" in table
+    assert main(["bench", "plot", str(tmp_path / "results.jsonl"), "--out",
+                 str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").read_bytes().startswith(b"\x89PNG")

@@ -1,0 +1,67 @@
+"""Workload plans: exact token lengths under the served model's tokenizer, determinism."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.bench.workloads import WorkloadArgs, build_plan, parse_len
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model):
+    from tokenmill.bench.workloads import HFTextTokenizer
+    return HFTextTokenizer(default_model.tokenizer_dir)
+
+
+def _count(tokenizer, session, turn):
+    return len(tokenizer.encode((session.system or "") + turn.text))
+
+
+def test_prompts_have_exact_token_lengths(tokenizer):
+    plan = build_plan("random", WorkloadArgs(num_requests=6, input_len=(5, 300)), tokenizer)
+    assert plan.concurrency == 16 and len(plan.sessions) == 6
+    for session in plan.sessions:
+        turn = session.turns[0]
+        assert _count(tokenizer, session, turn) == turn.input_len
+        assert 5 <= turn.input_len <= 300 and 64 <= turn.output_len <= 256
+
+
+def test_shared_prefix_and_long_interference_shapes(tokenizer):
+    plan = build_plan("shared_prefix", WorkloadArgs(num_requests=3, prefix_len=100,
+                                                    input_len=(7, 7)), tokenizer)
+    assert len({s.system for s in plan.sessions}) == 1
+    assert len({s.turns[0].text for s in plan.sessions}) == 3
+    assert all(_count(tokenizer, s, s.turns[0]) == 107 for s in plan.sessions)
+    plan = build_plan("long_interference", WorkloadArgs(num_requests=2, long_len=600), tokenizer)
+    groups = [s.group for s in plan.sessions]
+    assert groups == ["stream", "stream", "long"] and plan.sessions[-1].after_first_tokens
+    assert _count(tokenizer, plan.sessions[-1], plan.sessions[-1].turns[0]) == 600
+
+
+def test_plans_are_deterministic_under_seed(tokenizer):
+    def texts(seed):
+        plan = build_plan("multiturn", WorkloadArgs(num_requests=2, num_turns=3, seed=seed),
+                          tokenizer)
+        return [t.text for s in plan.sessions for t in s.turns]
+    assert texts(1) == texts(1) and texts(1) != texts(2) and len(texts(1)) == 6
+
+
+def test_trace_file(tokenizer, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(e) for e in [
+        {"prompt_len": 20, "output_len": 5, "arrival_time": 10.5},
+        {"prompt": " hello world", "output_len": 3, "arrival_time": 10.0}]) + "\n")
+    plan = build_plan("trace", WorkloadArgs(trace=trace), tokenizer)
+    assert [s.arrival for s in plan.sessions] == [0.0, 0.5]
+    assert [s.turns[0].input_len for s in plan.sessions] == [2, 20]
+    trace.write_text('{"output_len": 3}\n')
+    with pytest.raises(ValueError, match="trace.jsonl:1"):
+        build_plan("trace", WorkloadArgs(trace=trace), tokenizer)
+
+
+def test_parse_len():
+    assert parse_len("12") == (12, 12) and parse_len("3:9") == (3, 9)
+    with pytest.raises(ValueError):
+        parse_len("9:3")

@@ -27,6 +27,8 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor       # [num_decodes] long: context length incl. the new token
     prefills: list[PrefillSpan]
     sliding_window: int | None = None   # attend to at most this many latest positions
+    # [num_decodes, 1, 1, max_blocks * block_size] additive mask, built once per step
+    decode_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -34,3 +36,15 @@ class ForwardContext:
     """Passed explicitly through the model: what attention needs besides q, k, v."""
     attn: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]   # per layer: key/value caches
+
+
+def decode_mask(seq_lens: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
+    """[num_decodes, 1, 1, width] additive mask over padded contexts: 0 where the one new
+    query may attend, -inf past the request's end (and before its sliding window)."""
+    positions = torch.arange(width, device=seq_lens.device).view(1, -1)
+    last = seq_lens.view(-1, 1)
+    masked = positions >= last
+    if window is not None:
+        masked |= positions < last - window
+    mask = torch.zeros(masked.shape, dtype=torch.float32, device=seq_lens.device)
+    return mask.masked_fill_(masked, float("-inf")).view(-1, 1, 1, width)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention.metadata import AttentionMetadata, PrefillSpan
+from tokenmill.attention.metadata import AttentionMetadata, PrefillSpan, decode_mask
 from tokenmill.worker.request_state import RequestState
 
 
@@ -63,12 +63,14 @@ def build_batch(states: list[RequestState], num_new: list[int], block_size: int,
                 state.token_ids[start + 1:end + 1]))
     width = max((len(t) for t in decode_tables), default=1)
     padded = [t + [0] * (width - len(t)) for t in decode_tables]
+    decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
     attn = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         num_decodes=len(decode_tables),
         decode_block_table=torch.tensor(padded, dtype=torch.long, device=device).view(-1, width),
-        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
-        prefills=prefills, sliding_window=sliding_window)
+        decode_seq_lens=decode_seq_lens,
+        prefills=prefills, sliding_window=sliding_window,
+        decode_mask=decode_mask(decode_seq_lens, width * block_size, sliding_window))
     return StepBatch([states[i].request_id for i in order],
                      torch.tensor(input_ids, dtype=torch.long, device=device),
                      torch.tensor(positions, dtype=torch.long, device=device),

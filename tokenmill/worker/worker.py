@@ -11,6 +11,7 @@ from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.models.loader import load_model
 from tokenmill.models.spec import ModelSpec
 from tokenmill.outputs import RunnerOutput, SchedulerOutput
+from tokenmill.worker.host_memory import keep_freed_memory
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class Worker:
         if model_config.num_threads:
             torch.set_num_threads(model_config.num_threads)
         self.device = torch.device(model_config.device)
+        keep_freed_memory()  # before the model and KV cache: every host buffer benefits
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.cache_config = cache_config
         model, self.spec, self.max_model_len = load_model(

@@ -9,7 +9,6 @@ import pytest
 from tests.server.conftest import Server
 from tokenmill.cli import main
 
-pytestmark = pytest.mark.slow
 
 FIELDS = ("label", "workload", "endpoint", "base_url", "model", "date", "settings", "num_ok",
           "num_failed", "num_cancelled", "num_length_mismatch", "usage_reported", "duration_s",

@@ -34,6 +34,9 @@ class ModelConfig:
                                      "model's context length)")
     seed: int = _opt(0, "seed for requests that do not set one")
     num_threads: int | None = _opt(None, "CPU threads for torch (default: all cores)")
+    attention_backend: str = _opt("auto", "attention kernels ('auto': the paged C++ CPU kernel "
+                                  "for float32 on CPU when it compiles, else the torch "
+                                  "reference)", ("auto", "torch", "cpu_paged"))
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must not be empty")
@@ -41,6 +44,8 @@ class ModelConfig:
                  f"must be >= 1, got {self.max_model_len}")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads",
                  f"must be >= 1, got {self.num_threads}")
+        _require(self.attention_backend in ("auto", "torch", "cpu_paged"), "attention_backend",
+                 f"must be 'auto', 'torch' or 'cpu_paged', got {self.attention_backend!r}")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.metadata import ForwardContext
+from tokenmill.attention.registry import backend_class
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.linear import Linear, MergedLinear
@@ -80,12 +81,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+    def __init__(self, spec: ModelSpec, max_positions: int, attention_backend: str) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        backend = TorchReferenceBackend(spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                                        spec.head_dim ** -0.5)
+        backend = backend_class(attention_backend)(spec.num_heads, spec.num_kv_heads,
+                                                   spec.head_dim, spec.head_dim ** -0.5)
         rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, backend, rotary)
                                     for i in range(spec.num_layers))
@@ -101,10 +102,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+    def __init__(self, spec: ModelSpec, max_positions: int,
+                 attention_backend: str = "torch") -> None:
+        """attention_backend: a registered name (tokenmill.attention.registry), not "auto"."""
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec, max_positions)
+        self.model = LlamaModel(spec, max_positions, attention_backend)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size,
                                                                     spec.vocab_size)
 

@@ -8,6 +8,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from tokenmill.attention.registry import resolve_backend_name
 from tokenmill.models import gguf_loader
 from tokenmill.models.registry import model_class
 from tokenmill.models.spec import ModelSpec, spec_from_hf_config
@@ -34,7 +35,8 @@ def resolve_max_model_len(spec: ModelSpec, requested: int | None) -> int:
 
 
 def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
-               max_model_len: int | None) -> tuple[nn.Module, ModelSpec, int]:
+               max_model_len: int | None, attention_backend: str = "auto"
+               ) -> tuple[nn.Module, ModelSpec, int]:
     """Build the model for `path` (kind "gguf" or "hf") with weights in `dtype` on `device`.
 
     Returns the model, its spec and the resolved max_model_len.
@@ -48,11 +50,12 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
         weights = _iter_safetensors(path, dtype)
     max_positions = resolve_max_model_len(spec, max_model_len)
     cls = model_class(spec.architecture)
+    backend = resolve_backend_name(attention_backend, device, dtype)
     with torch.device(device):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = cls(spec, max_positions)
+            model = cls(spec, max_positions, backend)
         finally:
             torch.set_default_dtype(previous)
     model.load_weights((name, w.to(device)) for name, w in weights)

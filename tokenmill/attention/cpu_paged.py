@@ -1,0 +1,82 @@
+"""CPU paged decode attention: a C++ kernel reading K/V in place through the block tables.
+
+The reference backend gathers every decode's blocks into a padded copy per layer; with many
+requests over a shared prefix that copy dominates the step. This kernel reads each block where
+it lives (shared blocks stay in L2/L3), so decodes cost their arithmetic only. Prefills and any
+non-fp32 or non-CPU input keep the reference path, which is also the test oracle.
+
+The kernel compiles on first use (torch.utils.cpp_extension, cached in the torch extensions
+directory); without a working compiler `load_kernel()` returns None after one warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.torch_ref import TorchReferenceBackend
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_paged_kernel.cpp")
+_kernel = None
+_tried = False
+
+
+def _build_name() -> str:
+    """-march=native code runs only on CPUs with these features: key the cached build by them,
+    so a cache directory shared between different machines never loads a foreign build."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            features = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        features = ""
+    features = features or platform.processor() or platform.machine()
+    return "tokenmill_cpu_paged_" + hashlib.sha256(features.encode()).hexdigest()[:12]
+
+
+def load_kernel():
+    """The compiled extension module (compiled once per process, cached on disk), or None."""
+    global _kernel, _tried
+    if not _tried:
+        _tried = True
+        try:
+            from torch.utils.cpp_extension import load_inline
+            _kernel = load_inline(
+                name=_build_name(), cpp_sources=[_SOURCE.read_text()],
+                functions=["paged_decode_attention"],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"])
+        except Exception as error:  # no compiler, no ninja, a build error: fall back
+            logger.warning("cpu_paged attention kernel unavailable, using the torch reference "
+                           "backend: %s", str(error).splitlines()[0] if str(error) else error)
+    return _kernel
+
+
+class CpuPagedBackend(TorchReferenceBackend):
+    """Reference backend whose fp32 CPU decodes run the paged C++ kernel."""
+
+    name = "cpu_paged"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.kernel = load_kernel()
+
+    def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """query: [num_decodes, heads, head_dim] -> same shape."""
+        if (self.kernel is None or query.dtype != torch.float32 or k_cache.dtype != torch.float32
+                or query.device.type != "cpu"):
+            return super()._decode(query, k_cache, v_cache, meta)
+        query = query.contiguous()
+        out = torch.empty_like(query)
+        window = -1 if meta.sliding_window is None else meta.sliding_window
+        self.kernel.paged_decode_attention(out, query, k_cache, v_cache,
+                                           meta.decode_block_table, meta.decode_seq_lens,
+                                           self.scale, window)
+        return out

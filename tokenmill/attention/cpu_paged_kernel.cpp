@@ -1,0 +1,321 @@
+// Paged decode attention on CPU (fp32): one new query token per request attends to its
+// context straight from the paged KV cache through its block table. No gather, no padding:
+// blocks shared between requests (a common prefix) are read in place and stay in cache.
+//
+// Work item = (request, kv head): the `groups` query heads of that kv head are scored against
+// each key together, so every key/value row is loaded once per item. Softmax is online, one
+// block at a time (block max, one rescale per block, vectorized exp).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#ifdef __AVX2__
+// e^x for x <= 0 (inputs are scores minus their running max): x = n ln2 + r, e^r by a
+// degree-6 Taylor polynomial on |r| <= ln2/2 (relative error ~1e-7), 2^n through the exponent.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// x[i] = exp(x[i] - max), returns the sum.
+inline float exp_shift_sum(float* x, int len, float max) {
+  int i = 0;
+  float sum = 0.0f;
+#ifdef __AVX2__
+  const __m256 m = _mm256_set1_ps(max);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= len; i += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; i < len; ++i) {
+    x[i] = std::exp(x[i] - max);
+    sum += x[i];
+  }
+  return sum;
+}
+
+// out[g] = dot(q + g * dim, k) for g < groups.
+inline void score_key(const float* q, const float* k, int groups, int dim, float* out,
+                      int out_stride) {
+  for (int g = 0; g < groups; ++g) {
+    const float* qg = q + g * dim;
+    int d = 0;
+    float sum = 0.0f;
+#ifdef __AVX2__
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; d + 16 <= dim; d += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(k + d), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+    }
+    for (; d + 8 <= dim; d += 8)
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(k + d), a0);
+    sum = hsum(_mm256_add_ps(a0, a1));
+#endif
+    for (; d < dim; ++d) sum += qg[d] * k[d];
+    out[g * out_stride] = sum;
+  }
+}
+
+// acc[g] += p[g] * v for g < groups.
+inline void accumulate_value(float* acc, const float* p, int p_stride, const float* v,
+                             int groups, int dim) {
+  int d = 0;
+#ifdef __AVX2__
+  for (; d + 8 <= dim; d += 8) {
+    const __m256 vv = _mm256_loadu_ps(v + d);
+    for (int g = 0; g < groups; ++g) {
+      float* ag = acc + g * dim + d;
+      _mm256_storeu_ps(ag, _mm256_fmadd_ps(_mm256_set1_ps(p[g * p_stride]), vv,
+                                           _mm256_loadu_ps(ag)));
+    }
+  }
+#endif
+  for (; d < dim; ++d)
+    for (int g = 0; g < groups; ++g) acc[g * dim + d] += p[g * p_stride] * v[d];
+}
+
+// Block-level steps: scores[g * stride + i] = dot(q_g, key_i) for the block's `len` keys, and
+// acc[g] += sum_i scores[g * stride + i] * value_i. Keys/values are `token_stride` apart.
+using ScoreFn = void (*)(const float* q, const float* k, int64_t token_stride, int len,
+                         int groups, int dim, float* scores, int stride);
+using AccumulateFn = void (*)(const float* p, int stride, const float* v, int64_t token_stride,
+                              int len, int groups, int dim, float* acc);
+
+void score_block(const float* q, const float* k, int64_t token_stride, int len, int groups,
+                 int dim, float* scores, int stride) {
+  for (int i = 0; i < len; ++i)
+    score_key(q, k + i * token_stride, groups, dim, scores + i, stride);
+}
+
+void accumulate_block(const float* p, int stride, const float* v, int64_t token_stride, int len,
+                      int groups, int dim, float* acc) {
+  for (int i = 0; i < len; ++i)
+    accumulate_value(acc, p + i, stride, v + i * token_stride, groups, dim);
+}
+
+#ifdef __AVX2__
+// Fixed group count G (dim a multiple of 8): every key/value load serves all G query heads and
+// the accumulators stay in registers across the block.
+template <int G>
+void score_block_g(const float* q, const float* k, int64_t token_stride, int len, int,
+                   int dim, float* scores, int stride) {
+  for (int i = 0; i < len; ++i) {
+    const float* ki = k + i * token_stride;
+    __m256 a[G], b[G];
+    for (int g = 0; g < G; ++g) a[g] = b[g] = _mm256_setzero_ps();
+    int d = 0;
+    for (; d + 16 <= dim; d += 16) {
+      const __m256 k0 = _mm256_loadu_ps(ki + d), k1 = _mm256_loadu_ps(ki + d + 8);
+      for (int g = 0; g < G; ++g) {
+        a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d), k0, a[g]);
+        b[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d + 8), k1, b[g]);
+      }
+    }
+    for (; d < dim; d += 8) {
+      const __m256 k0 = _mm256_loadu_ps(ki + d);
+      for (int g = 0; g < G; ++g)
+        a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d), k0, a[g]);
+    }
+    for (int g = 0; g < G; ++g) scores[g * stride + i] = hsum(_mm256_add_ps(a[g], b[g]));
+  }
+}
+
+template <int G>
+void accumulate_block_g(const float* p, int stride, const float* v, int64_t token_stride,
+                        int len, int, int dim, float* acc) {
+  int d = 0;
+  for (; d + 16 <= dim; d += 16) {
+    __m256 a[G], b[G];
+    for (int g = 0; g < G; ++g) {
+      a[g] = _mm256_loadu_ps(acc + g * dim + d);
+      b[g] = _mm256_loadu_ps(acc + g * dim + d + 8);
+    }
+    for (int i = 0; i < len; ++i) {
+      const float* vi = v + i * token_stride + d;
+      const __m256 v0 = _mm256_loadu_ps(vi), v1 = _mm256_loadu_ps(vi + 8);
+      for (int g = 0; g < G; ++g) {
+        const __m256 w = _mm256_broadcast_ss(p + g * stride + i);
+        a[g] = _mm256_fmadd_ps(w, v0, a[g]);
+        b[g] = _mm256_fmadd_ps(w, v1, b[g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      _mm256_storeu_ps(acc + g * dim + d, a[g]);
+      _mm256_storeu_ps(acc + g * dim + d + 8, b[g]);
+    }
+  }
+  for (; d < dim; d += 8) {
+    __m256 a[G];
+    for (int g = 0; g < G; ++g) a[g] = _mm256_loadu_ps(acc + g * dim + d);
+    for (int i = 0; i < len; ++i) {
+      const __m256 v0 = _mm256_loadu_ps(v + i * token_stride + d);
+      for (int g = 0; g < G; ++g)
+        a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * stride + i), v0, a[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(acc + g * dim + d, a[g]);
+  }
+}
+#endif
+
+// The fastest implementation of both steps for this shape.
+void pick_block_fns(int64_t groups, int64_t dim, ScoreFn* score, AccumulateFn* accumulate) {
+  *score = score_block;
+  *accumulate = accumulate_block;
+#ifdef __AVX2__
+  if (dim % 8 != 0) return;
+  switch (groups) {
+#define TOKENMILL_GROUPS(G) \
+    case G: *score = score_block_g<G>; *accumulate = accumulate_block_g<G>; break;
+    TOKENMILL_GROUPS(1) TOKENMILL_GROUPS(2) TOKENMILL_GROUPS(3) TOKENMILL_GROUPS(4)
+    TOKENMILL_GROUPS(5) TOKENMILL_GROUPS(6) TOKENMILL_GROUPS(7) TOKENMILL_GROUPS(8)
+#undef TOKENMILL_GROUPS
+    default: break;
+  }
+#endif
+}
+
+struct Shape {
+  int64_t heads, kv_heads, groups, dim, block_size, max_blocks;
+  int64_t block_stride, token_stride;   // in floats, for the caches
+  ScoreFn score;
+  AccumulateFn accumulate;
+};
+
+// One (request, kv head): attends `groups` query heads over positions [start, seq_len).
+void attend_one(const float* query, const float* k_cache, const float* v_cache,
+                const int64_t* table, int64_t start, int64_t seq_len, int64_t kv_head,
+                float scale, const Shape& s, float* q, float* scores, float* acc, float* out) {
+  const int groups = static_cast<int>(s.groups), dim = static_cast<int>(s.dim);
+  const int bs = static_cast<int>(s.block_size);
+  for (int i = 0; i < groups * dim; ++i) q[i] = query[i] * scale;   // pre-scaled queries
+  float running_max[64], running_sum[64];
+  std::fill(running_max, running_max + groups, -std::numeric_limits<float>::infinity());
+  std::fill(running_sum, running_sum + groups, 0.0f);
+  std::fill(acc, acc + groups * dim, 0.0f);
+  const int64_t head_offset = kv_head * s.dim;
+  for (int64_t bi = start / bs; bi * bs < seq_len; ++bi) {
+    const int64_t block = table[bi];
+    const int64_t t0 = std::max(start, bi * bs), t1 = std::min(seq_len, (bi + 1) * bs);
+    const int len = static_cast<int>(t1 - t0);
+    const float* kb = k_cache + block * s.block_stride + head_offset;
+    const float* vb = v_cache + block * s.block_stride + head_offset;
+    const int64_t first = (t0 - bi * bs) * s.token_stride;
+    s.score(q, kb + first, s.token_stride, len, groups, dim, scores, bs);
+    for (int g = 0; g < groups; ++g) {
+      float* sg = scores + g * bs;
+      const float block_max = *std::max_element(sg, sg + len);
+      const float new_max = std::max(running_max[g], block_max);
+      const float alpha = std::exp(running_max[g] - new_max);   // 0 on the first block
+      if (alpha != 1.0f) {
+        running_sum[g] *= alpha;
+        for (int d = 0; d < dim; ++d) acc[g * dim + d] *= alpha;
+      }
+      running_max[g] = new_max;
+      running_sum[g] += exp_shift_sum(sg, len, new_max);
+    }
+    s.accumulate(scores, bs, vb + first, s.token_stride, len, groups, dim, acc);
+  }
+  for (int g = 0; g < groups; ++g) {
+    const float inv = 1.0f / running_sum[g];
+    for (int d = 0; d < dim; ++d) out[g * dim + d] = acc[g * dim + d] * inv;
+  }
+}
+
+}  // namespace
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
+                            torch::Tensor v_cache, torch::Tensor block_table,
+                            torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
+              "query/out must be [num, heads, head_dim] of the same shape");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "caches must be [num_blocks, block_size, kv_heads, head_dim] of the same shape");
+  for (const auto* t : {&out, &query, &k_cache, &v_cache}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32, "paged_decode_attention: float32 only");
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "tensors must be contiguous, CPU");
+  }
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 2 &&
+                  block_table.is_contiguous(), "block_table must be contiguous int64 [num, max]");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.is_contiguous(),
+              "seq_lens must be contiguous int64 [num]");
+  const int64_t num = query.size(0);
+  TORCH_CHECK(block_table.size(0) == num && seq_lens.numel() == num,
+              "block_table/seq_lens must have one row per query");
+  Shape s;
+  s.heads = query.size(1);
+  s.dim = query.size(2);
+  s.block_size = k_cache.size(1);
+  s.kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == s.dim, "head_dim of query and caches differ");
+  TORCH_CHECK(s.heads % s.kv_heads == 0, "heads must be a multiple of kv_heads");
+  s.groups = s.heads / s.kv_heads;
+  TORCH_CHECK(s.groups <= 64, "at most 64 query heads per kv head");
+  s.max_blocks = block_table.size(1);
+  s.token_stride = s.kv_heads * s.dim;
+  s.block_stride = s.block_size * s.token_stride;
+  pick_block_fns(s.groups, s.dim, &s.score, &s.accumulate);
+
+  const float* q = query.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t num_blocks = k_cache.size(0);
+  // Checked up front: nothing may throw inside the parallel region.
+  for (int64_t r = 0; r < num; ++r) {
+    TORCH_CHECK(lens[r] >= 1 && lens[r] <= s.max_blocks * s.block_size,
+                "seq_len out of range of the block table");
+    const int64_t* row = table + r * s.max_blocks;
+    for (int64_t bi = 0; bi * s.block_size < lens[r]; ++bi)
+      TORCH_CHECK(row[bi] >= 0 && row[bi] < num_blocks, "block id out of range");
+  }
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, num * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_buf(s.groups * s.dim), scores(s.groups * s.block_size),
+        acc(s.groups * s.dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / s.kv_heads, h = item % s.kv_heads;
+      const int64_t len = lens[r];
+      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t offset = (r * s.heads + h * s.groups) * s.dim;
+      attend_one(q + offset, kc, vc, table + r * s.max_blocks, start, len, h, fscale, s,
+                 q_buf.data(), scores.data(), acc.data(), o + offset);
+    }
+  });
+}

@@ -37,6 +37,8 @@ class ModelConfig:
     attention_backend: str = _opt("auto", "attention kernels ('auto': the paged C++ CPU kernel "
                                   "for float32 on CPU when it compiles, else the torch "
                                   "reference)", ("auto", "torch", "cpu_paged"))
+    linear_backend: str = _opt("auto", "linear layers ('auto': oneDNN packed weights for "
+                               "float32 on CPU, else F.linear)", ("auto", "torch", "onednn"))
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must not be empty")
@@ -46,6 +48,8 @@ class ModelConfig:
                  f"must be >= 1, got {self.num_threads}")
         _require(self.attention_backend in ("auto", "torch", "cpu_paged"), "attention_backend",
                  f"must be 'auto', 'torch' or 'cpu_paged', got {self.attention_backend!r}")
+        _require(self.linear_backend in ("auto", "torch", "onednn"), "linear_backend",
+                 f"must be 'auto', 'torch' or 'onednn', got {self.linear_backend!r}")
 
 
 @dataclass(frozen=True)

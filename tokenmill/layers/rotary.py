@@ -42,20 +42,39 @@ def rope_inverse_frequencies(head_dim: int, base: float, scaling: dict | None) -
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables over all positions. A forward pass looks its positions up once
+    (`tables`) and every layer applies them (`apply`): no per-layer gathers."""
+
     def __init__(self, head_dim: int, max_positions: int, base: float,
                  scaling: dict | None = None) -> None:
         super().__init__()
         inv_freq = rope_inverse_frequencies(head_dim, base, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_positions, head_dim/2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # [max_positions, head_dim]: each frequency twice, for the rotate-half layout
+        self.register_buffer("cos", freqs.cos().repeat(1, 2), persistent=False)
+        self.register_buffer("sin", freqs.sin().repeat(1, 2), persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [num_tokens] -> cos, sin: [num_tokens, 1, head_dim] in `dtype`."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def rotate(tables: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, any heads, head_dim]."""
+        return _rotate(x, *tables)
+
+    @staticmethod
+    def apply(tables: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]."""
+        cos, sin = tables
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [num_tokens]; q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]."""
-        cos = self.cos[positions].repeat(1, 2).unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].repeat(1, 2).unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.apply(self.tables(positions, q.dtype), q, k)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,8 @@ _MERGED = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_index: int, backend: TorchReferenceBackend,
-                 rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, layer_index: int, backend: TorchReferenceBackend
+                 ) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = (spec.num_heads, spec.num_kv_heads,
@@ -39,17 +39,18 @@ class LlamaAttention(nn.Module):
                                      bias=spec.attention_bias)
         self.o_proj = Linear(q_size, spec.hidden_size)
         self.backend = backend
-        self.rotary = rotary
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        """hidden: [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        """rope: this step's cos/sin tables (RotaryEmbedding.tables);
+        hidden: [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
+        num_tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden)
+        # q and k rotate together: one set of elementwise ops instead of two
+        qk = qkv[:, :(heads + kv_heads) * self.head_dim].view(num_tokens, heads + kv_heads,
+                                                               self.head_dim)
+        q, k = RotaryEmbedding.rotate(rope, qk).split([heads, kv_heads], dim=1)
+        v = qkv[:, (heads + kv_heads) * self.head_dim:].view(num_tokens, kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, ctx.kv_caches[self.layer_index], ctx.attn)
         return self.o_proj(out)
 
@@ -65,17 +66,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_index: int, backend: TorchReferenceBackend,
-                 rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, layer_index: int, backend: TorchReferenceBackend
+                 ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = LlamaAttention(spec, layer_index, backend, rotary)
+        self.self_attn = LlamaAttention(spec, layer_index, backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = LlamaMLP(spec)
 
-    def forward(self, positions, hidden, residual, ctx):
+    def forward(self, rope, hidden, residual, ctx):
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx)
+        hidden = self.self_attn(rope, hidden, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -87,16 +88,18 @@ class LlamaModel(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         backend = backend_class(attention_backend)(spec.num_heads, spec.num_kv_heads,
                                                    spec.head_dim, spec.head_dim ** -0.5)
-        rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, backend, rotary)
+        self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta,
+                                      spec.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, backend)
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.tables(positions, hidden.dtype)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, ctx)
+            hidden, residual = layer(rope, hidden, residual, ctx)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -108,8 +111,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = LlamaModel(spec, max_positions, attention_backend)
-        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size,
-                                                                    spec.vocab_size)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -118,14 +122,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 logits."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.spec.tie_word_embeddings):
                 continue
             target = self._load_one(name, tensor, params)
             loaded.add(target)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.registry import resolve_backend_name
+from tokenmill.layers.linear import prepack_linears, resolve_linear_backend
 from tokenmill.models import gguf_loader
 from tokenmill.models.registry import model_class
 from tokenmill.models.spec import ModelSpec, spec_from_hf_config
@@ -35,9 +36,12 @@ def resolve_max_model_len(spec: ModelSpec, requested: int | None) -> int:
 
 
 def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
-               max_model_len: int | None, attention_backend: str = "auto"
-               ) -> tuple[nn.Module, ModelSpec, int]:
+               max_model_len: int | None, attention_backend: str = "auto",
+               linear_backend: str = "auto") -> tuple[nn.Module, ModelSpec, int]:
     """Build the model for `path` (kind "gguf" or "hf") with weights in `dtype` on `device`.
+
+    The backends are names from attention/registry.py and layers/linear.py ("auto" picks the
+    fastest that runs here); "onednn" linears are packed once the weights are in.
 
     Returns the model, its spec and the resolved max_model_len.
     """
@@ -59,6 +63,8 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
         finally:
             torch.set_default_dtype(previous)
     model.load_weights((name, w.to(device)) for name, w in weights)
+    if resolve_linear_backend(linear_backend, device, dtype) == "onednn":
+        prepack_linears(model)
     return model.eval(), spec, max_positions
 
 

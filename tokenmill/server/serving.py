@@ -5,6 +5,7 @@ render.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -170,10 +171,16 @@ class OpenAIServing:
     async def _wait(self, job: _Job, http: HTTPRequest) -> None:
         """Run a non-streaming job to the end, aborting it if the client goes away."""
         try:
+            last_check = time.monotonic()
             while not job.finished:
                 try:
                     await asyncio.wait_for(self._next(job), _DISCONNECT_POLL)
                 except asyncio.TimeoutError:
+                    pass
+                # On a clock, not only on quiet spells: a request that streams tokens faster
+                # than the poll interval must still notice its client leaving.
+                if time.monotonic() - last_check >= _DISCONNECT_POLL:
+                    last_check = time.monotonic()
                     if await http.is_disconnected():
                         raise asyncio.CancelledError
         finally:

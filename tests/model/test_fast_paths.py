@@ -1,0 +1,57 @@
+"""The optimized CPU paths (oneDNN packed linears, the paged C++ decode kernel, fused norm and
+rotary) give the same greedy tokens as the pure reference path, across batch sizes, chunked
+prefill and prefix-cache hits. HF parity of the default (fast) path is in test_hf_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.oracle import assert_kv_clean
+from tokenmill import SamplingParams
+
+SYSTEM = ("You are the help desk of a city library. Answer questions about opening hours, "
+          "loans, renewals and the reading rooms briefly and politely. ") * 3
+PROMPTS = [SYSTEM + q for q in ("When do you open on Sundays?", "Can I renew a loan twice?",
+                                "Is there wifi?", "How many books may I borrow at once?")] + [
+    "The capital of France is", "def add(a, b):", "Once upon a time there was",
+    "1, 2, 3, 5, 8, 13,", "Write a limerick about a cat who learned to code in Python."]
+PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(make_llm):
+    reference = make_llm(attention_backend="torch", linear_backend="torch")
+    model = reference.engine.core.worker.runner.model
+    assert model.lm_head.packed_weight is None
+    return [[o.outputs[0].token_ids] for o in
+            (reference.generate([p], PARAMS)[0] for p in PROMPTS)]
+
+
+def fast_path_active(llm) -> bool:
+    model = llm.engine.core.worker.runner.model
+    layer = model.model.layers[0]
+    return (layer.self_attn.backend.name == "cpu_paged"
+            and layer.mlp.gate_up_proj.packed_weight is not None
+            and model.lm_head.packed_weight is not None)
+
+
+@pytest.mark.parametrize("options", [
+    {},                                                      # defaults: batched, prefix cache on
+    {"max_num_batched_tokens": 40, "max_prefill_chunk": 9},  # chunked prefill, mixed steps
+    {"prefix_cache": False, "max_num_seqs": 3},              # small batches, no cache
+], ids=["batched", "chunked", "small-batches-no-cache"])
+def test_fast_path_greedy_equals_reference(make_llm, reference_tokens, options):
+    llm = make_llm(**options)
+    assert fast_path_active(llm)
+    batched = llm.generate(PROMPTS, PARAMS)
+    assert [[o.outputs[0].token_ids] for o in batched] == reference_tokens
+    if options.get("prefix_cache", True):
+        assert sum(o.num_cached_tokens > 0 for o in batched) >= 3
+    assert_kv_clean(llm)
+
+
+def test_fast_path_one_at_a_time_equals_reference(llm, reference_tokens):
+    """Batch size 1 throughout (the M=1 GEMV and kernel paths)."""
+    assert fast_path_active(llm)
+    single = [[llm.generate([p], PARAMS)[0].outputs[0].token_ids] for p in PROMPTS]
+    assert single == reference_tokens

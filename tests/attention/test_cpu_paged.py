@@ -103,3 +103,21 @@ def test_auto_picks_the_kernel_for_cpu_float32_only():
     assert resolve_backend_name("auto", cpu, torch.float32) == "cpu_paged"
     assert resolve_backend_name("auto", cpu, torch.bfloat16) == "torch"
     assert resolve_backend_name("torch", cpu, torch.float32) == "torch"
+
+
+def test_without_a_compiler_auto_falls_back_to_reference(monkeypatch, caplog):
+    import tokenmill.attention.cpu_paged as cpu_paged
+    from torch.utils import cpp_extension
+    from tokenmill.attention.registry import resolve_backend_name
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr(cpu_paged, "_kernel", None)
+    monkeypatch.setattr(cpu_paged, "_tried", False)
+    monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
+    with caplog.at_level("WARNING"):
+        assert resolve_backend_name("auto", torch.device("cpu"), torch.float32) == "torch"
+    assert "cpu_paged attention kernel unavailable" in caplog.text
+    backend = CpuPagedBackend(3, 1, HEAD_DIM, HEAD_DIM ** -0.5)   # still works, on the reference
+    assert backend.kernel is None

@@ -26,9 +26,9 @@ STALL_TIMEOUT = 1.0
 @pytest.fixture(scope="module")
 def served():
     import uvicorn
-    engine = LLMEngine(EngineConfig.from_kwargs(model=MODEL, kv_cache_memory=0.1,
-                                                max_model_len=512))
-    async_llm = AsyncLLM(engine, stall_timeout=STALL_TIMEOUT)
+    config = EngineConfig.from_kwargs(model=MODEL, kv_cache_memory=0.1, max_model_len=512)
+    async_llm = AsyncLLM.build(lambda: LLMEngine(config), stall_timeout=STALL_TIMEOUT)
+    engine = async_llm.engine
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -71,7 +71,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.model_tag:
         args.model = args.model_tag
-    engine = AsyncLLM(LLMEngine(engine_config(args)), stall_timeout=args.engine_stall_timeout)
+    settings = engine_config(args)
+    engine = AsyncLLM.build(lambda: LLMEngine(settings), stall_timeout=args.engine_stall_timeout)
     app = build_app(engine, ServerOptions(args.served_model_name, args.api_key,
                                           args.max_num_waiting, args.max_request_bytes))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",

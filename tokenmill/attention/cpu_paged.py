@@ -11,33 +11,17 @@ directory); without a working compiler `load_kernel()` returns None after one wa
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import platform
 from pathlib import Path
 
 import torch
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.torch_ref import TorchReferenceBackend
-
-logger = logging.getLogger(__name__)
+from tokenmill.kernels.cpp_build import compile_cpu_extension
 
 _SOURCE = Path(__file__).with_name("cpu_paged_kernel.cpp")
 _kernel = None
 _tried = False
-
-
-def _build_name() -> str:
-    """-march=native code runs only on CPUs with these features: key the cached build by them,
-    so a cache directory shared between different machines never loads a foreign build."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            features = next((line for line in cpuinfo if line.startswith("flags")), "")
-    except OSError:
-        features = ""
-    features = features or platform.processor() or platform.machine()
-    return "tokenmill_cpu_paged_" + hashlib.sha256(features.encode()).hexdigest()[:12]
 
 
 def load_kernel():
@@ -45,16 +29,10 @@ def load_kernel():
     global _kernel, _tried
     if not _tried:
         _tried = True
-        try:
-            from torch.utils.cpp_extension import load_inline
-            _kernel = load_inline(
-                name=_build_name(), cpp_sources=[_SOURCE.read_text()],
-                functions=["paged_decode_attention"],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"])
-        except Exception as error:  # no compiler, no ninja, a build error: fall back
-            logger.warning("cpu_paged attention kernel unavailable, using the torch reference "
-                           "backend: %s", str(error).splitlines()[0] if str(error) else error)
+        _kernel = compile_cpu_extension("tokenmill_cpu_paged", _SOURCE,
+                                        ["paged_decode_attention"],
+                                        "cpu_paged attention kernel",
+                                        "the torch reference backend")
     return _kernel
 
 

@@ -1,0 +1,42 @@
+"""Compile a C++ CPU kernel on first use (torch.utils.cpp_extension, cached on disk).
+
+Kernels are built with -march=native, so the cached build is keyed by the CPU's feature flags:
+a cache directory shared between different machines never loads a foreign build. Without a
+working compiler the caller gets None after one warning and keeps its reference path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+
+def _cpu_features_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            features = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        features = ""
+    features = features or platform.processor() or platform.machine()
+    return hashlib.sha256(features.encode()).hexdigest()[:12]
+
+
+def compile_cpu_extension(prefix: str, source: Path, functions: list[str], name: str,
+                          fallback: str) -> ModuleType | None:
+    """The compiled module exposing `functions`, or None if it cannot be built (one warning
+    naming the kernel, its fallback and the first line of the error)."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+        return load_inline(name=f"{prefix}_{_cpu_features_key()}",
+                           cpp_sources=[source.read_text()], functions=functions,
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"])
+    except Exception as error:  # no compiler, no ninja, a build error: the caller falls back
+        first_line = str(error).splitlines()[0] if str(error) else repr(error)
+        logger.warning("%s unavailable, using %s: %s", name, fallback, first_line)
+        return None

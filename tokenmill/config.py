@@ -37,8 +37,10 @@ class ModelConfig:
     attention_backend: str = _opt("auto", "attention kernels ('auto': the paged C++ CPU kernel "
                                   "for float32 on CPU when it compiles, else the torch "
                                   "reference)", ("auto", "torch", "cpu_paged"))
-    linear_backend: str = _opt("auto", "linear layers ('auto': oneDNN packed weights for "
-                               "float32 on CPU, else F.linear)", ("auto", "torch", "onednn"))
+    linear_backend: str = _opt("auto", "linear layers ('auto': 'hybrid' for float32 on CPU, "
+                               "else F.linear; 'hybrid': oneDNN packed weights plus a small-"
+                               "batch kernel, twice the weight memory; 'onednn': oneDNN only)",
+                               ("auto", "torch", "onednn", "hybrid"))
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must not be empty")
@@ -48,8 +50,8 @@ class ModelConfig:
                  f"must be >= 1, got {self.num_threads}")
         _require(self.attention_backend in ("auto", "torch", "cpu_paged"), "attention_backend",
                  f"must be 'auto', 'torch' or 'cpu_paged', got {self.attention_backend!r}")
-        _require(self.linear_backend in ("auto", "torch", "onednn"), "linear_backend",
-                 f"must be 'auto', 'torch' or 'onednn', got {self.linear_backend!r}")
+        _require(self.linear_backend in ("auto", "torch", "onednn", "hybrid"), "linear_backend",
+                 f"must be 'auto', 'torch', 'onednn' or 'hybrid', got {self.linear_backend!r}")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import pytest
 
 from tests.helpers.oracle import assert_kv_clean
 from tokenmill.attention.cpu_paged import load_kernel
+from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill import SamplingParams
 
 SYSTEM = ("You are the help desk of a city library. Answer questions about opening hours, "
@@ -33,9 +34,12 @@ def fast_path_active(llm) -> bool:
     model = llm.engine.core.worker.runner.model
     layer = model.model.layers[0]
     kernel = "cpu_paged" if load_kernel() is not None else "torch"
+    gemv = load_gemv_kernel() is not None
     return (layer.self_attn.backend.name == kernel
             and layer.mlp.gate_up_proj.packed_weight is not None
-            and model.lm_head.packed_weight is not None)
+            and model.lm_head.packed_weight is not None
+            and (layer.mlp.gate_up_proj.gemv_weight is not None) == gemv
+            and (model.lm_head.gemv_weight is not None) == gemv)
 
 
 @pytest.mark.parametrize("options", [

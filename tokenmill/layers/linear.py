@@ -6,6 +6,9 @@ Two ways to run them (`linear_backend`):
   oneDNN's packed GEMM. On CPU fp32 this was 1.2-2.5x faster than F.linear for the decode-sized
   batches (M = 1..64) of SmolLM2's shapes and reads the weights at the machine's memory
   bandwidth at M = 1 (the lm_head GEMV: 8.9 -> 4.5 ms); F.linear reached half of it.
+- "hybrid": "onednn", plus our AVX2 kernel (layers/cpu_gemv.py) for steps of at most 8 tokens,
+  where it streams the weights faster than oneDNN. It keeps a second copy of each weight in the
+  kernel's panel layout: twice the weight memory for the linear layers.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LINEAR_BACKENDS = ("auto", "torch", "onednn")
+from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS, gemv_supported
+from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
+
+LINEAR_BACKENDS = ("auto", "torch", "onednn", "hybrid")
 # oneDNN picks its blocked layout for an expected batch size; 16 was as good as any other at
 # every M from 1 to 512 in a sweep on the target CPU (M is the number of tokens in the step).
 _ONEDNN_BATCH_HINT = 16
@@ -27,15 +33,21 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto": oneDNN's packed GEMM for fp32 on CPU, F.linear elsewhere."""
+    """"auto": "hybrid" for fp32 on CPU when the kernel compiles, else "onednn" there, and
+    F.linear elsewhere."""
     if name not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend: unknown backend {name!r} "
                          f"(known: {', '.join(LINEAR_BACKENDS)})")
     if name == "auto":
-        return "onednn" if onednn_available(device, dtype) else "torch"
-    if name == "onednn" and not onednn_available(device, dtype):
-        raise ValueError(f"linear_backend: 'onednn' needs float32 on CPU with oneDNN, got "
+        if not onednn_available(device, dtype):
+            return "torch"
+        return "hybrid" if load_gemv_kernel() is not None else "onednn"
+    if name in ("onednn", "hybrid") and not onednn_available(device, dtype):
+        raise ValueError(f"linear_backend: {name!r} needs float32 on CPU with oneDNN, got "
                          f"{dtype} on {torch.device(device).type}")
+    if name == "hybrid" and load_gemv_kernel() is None:
+        raise ValueError("linear_backend: 'hybrid' needs the cpu_gemv kernel, which did not "
+                         "compile (see the warning above)")
     return name
 
 
@@ -48,16 +60,23 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(out_features), requires_grad=False)
                      if bias else None)
         self.packed_weight: torch.Tensor | None = None   # oneDNN layout, set by prepack()
+        self.gemv_weight: torch.Tensor | None = None     # cpu_gemv panels, set by prepack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
+        if self.gemv_weight is not None and x.shape[0] <= GEMV_MAX_ROWS:
+            out = load_gemv_kernel().gemv_linear(x.contiguous(), self.gemv_weight)
+            return out if self.bias is None else out.add_(self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight,
                                                       self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def prepack(self) -> None:
-        """Reorder the loaded weight for oneDNN and drop the plain copy (no doubled memory);
-        a weight shared with another module (a tied lm_head) lives on there."""
+    def prepack(self, gemv: bool = False) -> None:
+        """Reorder the loaded weight for oneDNN (and, with `gemv`, into the small-M kernel's
+        panels where its shape allows) and drop the plain copy; a weight shared with another
+        module (a tied lm_head) lives on there."""
+        if gemv and gemv_supported(self.weight):
+            self.gemv_weight = load_gemv_kernel().pack_gemv_weight(self.weight.detach())
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                      _ONEDNN_BATCH_HINT)
         del self.weight
@@ -87,9 +106,10 @@ class MergedLinear(Linear):
         return out.split(self.part_sizes, dim=-1)
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Switch every Linear in `model` to the oneDNN path; returns how many were packed."""
+def prepack_linears(model: nn.Module, gemv: bool = False) -> int:
+    """Switch every Linear in `model` to the oneDNN path (and with `gemv`, the small-M kernel
+    for short steps); returns how many were packed."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     for module in linears:
-        module.prepack()
+        module.prepack(gemv)
     return len(linears)

@@ -63,8 +63,9 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
         finally:
             torch.set_default_dtype(previous)
     model.load_weights((name, w.to(device)) for name, w in weights)
-    if resolve_linear_backend(linear_backend, device, dtype) == "onednn":
-        prepack_linears(model)
+    linear = resolve_linear_backend(linear_backend, device, dtype)
+    if linear in ("onednn", "hybrid"):
+        prepack_linears(model, gemv=linear == "hybrid")
     return model.eval(), spec, max_positions
 
 

@@ -41,6 +41,9 @@ class ModelConfig:
                                "else F.linear; 'hybrid': oneDNN packed weights plus a small-"
                                "batch kernel, twice the weight memory; 'onednn': oneDNN only)",
                                ("auto", "torch", "onednn", "hybrid"))
+    elementwise_backend: str = _opt("auto", "RMSNorm and rotary ('auto': fused C++ kernels "
+                                    "for float32 on CPU when they compile, else torch ops)",
+                                    ("auto", "torch", "cpu_fused"))
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must not be empty")
@@ -52,6 +55,9 @@ class ModelConfig:
                  f"must be 'auto', 'torch' or 'cpu_paged', got {self.attention_backend!r}")
         _require(self.linear_backend in ("auto", "torch", "onednn", "hybrid"), "linear_backend",
                  f"must be 'auto', 'torch', 'onednn' or 'hybrid', got {self.linear_backend!r}")
+        _require(self.elementwise_backend in ("auto", "torch", "cpu_fused"),
+                 "elementwise_backend", f"must be 'auto', 'torch' or 'cpu_fused', got "
+                 f"{self.elementwise_backend!r}")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import pytest
 
 from tests.helpers.oracle import assert_kv_clean
 from tokenmill.attention.cpu_paged import load_kernel
+from tokenmill.layers.cpu_fused import load_kernel as load_fused_kernel
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill import SamplingParams
 
@@ -22,9 +23,11 @@ PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def reference_tokens(make_llm):
-    reference = make_llm(attention_backend="torch", linear_backend="torch")
+    reference = make_llm(attention_backend="torch", linear_backend="torch",
+                         elementwise_backend="torch")
     model = reference.engine.core.worker.runner.model
     assert model.lm_head.packed_weight is None
+    assert model.model.norm.kernel is None and model.model.rotary.kernel is None
     return [[o.outputs[0].token_ids] for o in
             (reference.generate([p], PARAMS)[0] for p in PROMPTS)]
 
@@ -35,11 +38,14 @@ def fast_path_active(llm) -> bool:
     layer = model.model.layers[0]
     kernel = "cpu_paged" if load_kernel() is not None else "torch"
     gemv = load_gemv_kernel() is not None
+    fused = load_fused_kernel() is not None
     return (layer.self_attn.backend.name == kernel
             and layer.mlp.gate_up_proj.packed_weight is not None
             and model.lm_head.packed_weight is not None
             and (layer.mlp.gate_up_proj.gemv_weight is not None) == gemv
-            and (model.lm_head.gemv_weight is not None) == gemv)
+            and (model.lm_head.gemv_weight is not None) == gemv
+            and (layer.input_layernorm.kernel is not None) == fused
+            and (model.model.rotary.kernel is not None) == fused)
 
 
 @pytest.mark.parametrize("options", [

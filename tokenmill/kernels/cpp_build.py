@@ -27,14 +27,15 @@ def _cpu_features_key() -> str:
 
 
 def compile_cpu_extension(prefix: str, source: Path, functions: list[str], name: str,
-                          fallback: str) -> ModuleType | None:
+                          fallback: str, extra_cflags: tuple[str, ...] = ()
+                          ) -> ModuleType | None:
     """The compiled module exposing `functions`, or None if it cannot be built (one warning
     naming the kernel, its fallback and the first line of the error)."""
     try:
         from torch.utils.cpp_extension import load_inline
         return load_inline(name=f"{prefix}_{_cpu_features_key()}",
                            cpp_sources=[source.read_text()], functions=functions,
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
                            extra_ldflags=["-fopenmp"])
     except Exception as error:  # no compiler, no ninja, a build error: the caller falls back
         first_line = str(error).splitlines()[0] if str(error) else repr(error)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -41,6 +42,14 @@ def rope_inverse_frequencies(head_dim: int, base: float, scaling: dict | None) -
                      f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
 
 
+class RopeTables(NamedTuple):
+    """One step's cos/sin rows ([num_tokens, 1, head_dim]) and the kernel to apply them with
+    (None: the torch ops of `_rotate`, the reference)."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kernel: Any = None
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables over all positions. A forward pass looks its positions up once
     (`tables`) and every layer applies them (`apply`): no per-layer gathers."""
@@ -53,24 +62,27 @@ class RotaryEmbedding(nn.Module):
         # [max_positions, head_dim]: each frequency twice, for the rotate-half layout
         self.register_buffer("cos", freqs.cos().repeat(1, 2), persistent=False)
         self.register_buffer("sin", freqs.sin().repeat(1, 2), persistent=False)
+        self.kernel = None  # the cpu_fused module, when enabled: rotate in one pass
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """positions: [num_tokens] -> cos, sin: [num_tokens, 1, head_dim] in `dtype`."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
+        return RopeTables(self.cos[positions].unsqueeze(1).to(dtype),
+                          self.sin[positions].unsqueeze(1).to(dtype), self.kernel)
 
     @staticmethod
-    def rotate(tables: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def rotate(tables: RopeTables, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, any heads, head_dim]."""
-        return _rotate(x, *tables)
+        if tables.kernel is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            num_tokens, head_dim = tables.cos.shape[0], tables.cos.shape[2]
+            return tables.kernel.rotate_half(x, tables.cos.view(num_tokens, head_dim),
+                                             tables.sin.view(num_tokens, head_dim))
+        return _rotate(x, tables.cos, tables.sin)
 
     @staticmethod
-    def apply(tables: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+    def apply(tables: RopeTables, q: torch.Tensor, k: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]."""
-        cos, sin = tables
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return RotaryEmbedding.rotate(tables, q), RotaryEmbedding.rotate(tables, k)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

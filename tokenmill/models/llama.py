@@ -17,7 +17,7 @@ from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.rotary import RopeTables, RotaryEmbedding
 from tokenmill.models.spec import ModelSpec
 
 # checkpoint sub-name -> (our merged module, part index)
@@ -40,7 +40,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, spec.hidden_size)
         self.backend = backend
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+    def forward(self, rope: RopeTables, hidden: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         """rope: this step's cos/sin tables (RotaryEmbedding.tables);
         hidden: [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""

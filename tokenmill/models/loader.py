@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.registry import resolve_backend_name
+from tokenmill.layers.cpu_fused import enable_fused_elementwise, resolve_elementwise_backend
 from tokenmill.layers.linear import prepack_linears, resolve_linear_backend
 from tokenmill.models import gguf_loader
 from tokenmill.models.registry import model_class
@@ -37,11 +38,13 @@ def resolve_max_model_len(spec: ModelSpec, requested: int | None) -> int:
 
 def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
                max_model_len: int | None, attention_backend: str = "auto",
-               linear_backend: str = "auto") -> tuple[nn.Module, ModelSpec, int]:
+               linear_backend: str = "auto", elementwise_backend: str = "auto"
+               ) -> tuple[nn.Module, ModelSpec, int]:
     """Build the model for `path` (kind "gguf" or "hf") with weights in `dtype` on `device`.
 
-    The backends are names from attention/registry.py and layers/linear.py ("auto" picks the
-    fastest that runs here); "onednn" linears are packed once the weights are in.
+    The backends are names from attention/registry.py, layers/linear.py and layers/cpu_fused.py
+    ("auto" picks the fastest that runs here); "onednn" linears are packed once the weights
+    are in.
 
     Returns the model, its spec and the resolved max_model_len.
     """
@@ -66,6 +69,8 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
     linear = resolve_linear_backend(linear_backend, device, dtype)
     if linear in ("onednn", "hybrid"):
         prepack_linears(model, gemv=linear == "hybrid")
+    if resolve_elementwise_backend(elementwise_backend, device, dtype) == "cpu_fused":
+        enable_fused_elementwise(model)
     return model.eval(), spec, max_positions
 
 

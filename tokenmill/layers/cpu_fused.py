@@ -1,0 +1,57 @@
+"""Fused elementwise kernels for CPU fp32 (residual add + RMSNorm, rotary); see
+cpu_fused_kernel.cpp. Each replaces a chain of small torch ops whose dispatch cost dominates
+at decode sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tokenmill.kernels.cpp_build import compile_cpu_extension
+
+_SOURCE = Path(__file__).with_name("cpu_fused_kernel.cpp")
+_kernel = None
+_tried = False
+
+
+def load_kernel():
+    """The compiled module (once per process, cached on disk), or None without a compiler."""
+    global _kernel, _tried
+    if not _tried:
+        _tried = True
+        _kernel = compile_cpu_extension("tokenmill_cpu_fused", _SOURCE,
+                                        ["add_rms_norm", "rotate_half"],
+                                        "cpu_fused elementwise kernels", "torch ops",
+                                        extra_cflags=("-ffp-contract=off",))
+    return _kernel
+
+
+ELEMENTWISE_BACKENDS = ("auto", "torch", "cpu_fused")
+
+
+def resolve_elementwise_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"auto": "cpu_fused" for float32 on CPU when the kernels compile, else "torch"."""
+    if name not in ELEMENTWISE_BACKENDS:
+        raise ValueError(f"elementwise_backend: unknown backend {name!r} "
+                         f"(known: {', '.join(ELEMENTWISE_BACKENDS)})")
+    fits = torch.device(device).type == "cpu" and dtype == torch.float32
+    if name == "auto":
+        return "cpu_fused" if fits and load_kernel() is not None else "torch"
+    if name == "cpu_fused" and not fits:
+        raise ValueError(f"elementwise_backend: 'cpu_fused' needs float32 on CPU, got {dtype} "
+                         f"on {torch.device(device).type}")
+    if name == "cpu_fused" and load_kernel() is None:
+        raise ValueError("elementwise_backend: 'cpu_fused' needs the cpu_fused kernels, which "
+                         "did not compile (see the warning above)")
+    return name
+
+
+def enable_fused_elementwise(model: torch.nn.Module) -> int:
+    """Point every RMSNorm and RotaryEmbedding in `model` at the kernels; returns how many."""
+    from tokenmill.layers.norm import RMSNorm
+    from tokenmill.layers.rotary import RotaryEmbedding
+    modules = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]
+    for module in modules:
+        module.kernel = load_kernel()
+    return len(modules)

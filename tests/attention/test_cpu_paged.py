@@ -113,9 +113,9 @@ def test_without_a_compiler_auto_falls_back_to_reference(monkeypatch, caplog):
     def no_compiler(**kwargs):
         raise RuntimeError("Error building extension: c++: command not found")
 
-    monkeypatch.setattr(cpu_paged, "_kernel", None)
-    monkeypatch.setattr(cpu_paged, "_tried", False)
     monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
+    monkeypatch.setattr(cpu_paged.KERNEL, "_module", None)   # restored after the test
+    monkeypatch.setattr(cpu_paged.KERNEL, "_tried", False)
     with caplog.at_level("WARNING"):
         assert resolve_backend_name("auto", torch.device("cpu"), torch.float32) == "torch"
     assert "cpu_paged attention kernel unavailable" in caplog.text

@@ -17,23 +17,12 @@ import torch
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.torch_ref import TorchReferenceBackend
-from tokenmill.kernels.cpp_build import compile_cpu_extension
+from tokenmill.kernels.cpp_build import CpuExtension
 
-_SOURCE = Path(__file__).with_name("cpu_paged_kernel.cpp")
-_kernel = None
-_tried = False
-
-
-def load_kernel():
-    """The compiled extension module (compiled once per process, cached on disk), or None."""
-    global _kernel, _tried
-    if not _tried:
-        _tried = True
-        _kernel = compile_cpu_extension("tokenmill_cpu_paged", _SOURCE,
-                                        ["paged_decode_attention"],
-                                        "cpu_paged attention kernel",
-                                        "the torch reference backend")
-    return _kernel
+KERNEL = CpuExtension("tokenmill_cpu_paged", Path(__file__).with_name("cpu_paged_kernel.cpp"),
+                      ["paged_decode_attention"], "cpu_paged attention kernel",
+                      "the torch reference backend")
+load_kernel = KERNEL.load
 
 
 class CpuPagedBackend(TorchReferenceBackend):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import platform
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -41,3 +42,25 @@ def compile_cpu_extension(prefix: str, source: Path, functions: list[str], name:
         first_line = str(error).splitlines()[0] if str(error) else repr(error)
         logger.warning("%s unavailable, using %s: %s", name, fallback, first_line)
         return None
+
+
+@dataclass
+class CpuExtension:
+    """A kernel module compiled at most once per process, on the first `load()`."""
+    prefix: str
+    source: Path
+    functions: list[str]
+    name: str
+    fallback: str
+    extra_cflags: tuple[str, ...] = ()
+    _module: ModuleType | None = field(default=None, init=False, repr=False)
+    _tried: bool = field(default=False, init=False, repr=False)
+
+    def load(self) -> ModuleType | None:
+        """The compiled module (cached on disk between processes), or None without a compiler."""
+        if not self._tried:
+            self._tried = True
+            self._module = compile_cpu_extension(self.prefix, self.source, self.functions,
+                                                 self.name, self.fallback, self.extra_cflags)
+        return self._module
+

@@ -8,23 +8,12 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.kernels.cpp_build import compile_cpu_extension
+from tokenmill.kernels.cpp_build import CpuExtension
 
-_SOURCE = Path(__file__).with_name("cpu_fused_kernel.cpp")
-_kernel = None
-_tried = False
-
-
-def load_kernel():
-    """The compiled module (once per process, cached on disk), or None without a compiler."""
-    global _kernel, _tried
-    if not _tried:
-        _tried = True
-        _kernel = compile_cpu_extension("tokenmill_cpu_fused", _SOURCE,
-                                        ["add_rms_norm", "rotate_half"],
-                                        "cpu_fused elementwise kernels", "torch ops",
-                                        extra_cflags=("-ffp-contract=off",))
-    return _kernel
+KERNEL = CpuExtension("tokenmill_cpu_fused", Path(__file__).with_name("cpu_fused_kernel.cpp"),
+                      ["add_rms_norm", "rotate_half"], "cpu_fused elementwise kernels",
+                      "torch ops", extra_cflags=("-ffp-contract=off",))
+load_kernel = KERNEL.load
 
 
 ELEMENTWISE_BACKENDS = ("auto", "torch", "cpu_fused")

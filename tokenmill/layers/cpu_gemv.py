@@ -11,25 +11,15 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.kernels.cpp_build import compile_cpu_extension
+from tokenmill.kernels.cpp_build import CpuExtension
 
 GEMV_MAX_ROWS = 8     # the kernel takes steps of at most this many tokens
 PANEL = 16            # out_features must be a multiple of this
 
-_SOURCE = Path(__file__).with_name("cpu_gemv_kernel.cpp")
-_kernel = None
-_tried = False
-
-
-def load_kernel():
-    """The compiled module (once per process, cached on disk), or None without a compiler."""
-    global _kernel, _tried
-    if not _tried:
-        _tried = True
-        _kernel = compile_cpu_extension("tokenmill_cpu_gemv", _SOURCE,
-                                        ["pack_gemv_weight", "gemv_linear"],
-                                        "cpu_gemv linear kernel", "oneDNN at every batch size")
-    return _kernel
+KERNEL = CpuExtension("tokenmill_cpu_gemv", Path(__file__).with_name("cpu_gemv_kernel.cpp"),
+                      ["pack_gemv_weight", "gemv_linear"], "cpu_gemv linear kernel",
+                      "oneDNN at every batch size")
+load_kernel = KERNEL.load
 
 
 def gemv_supported(weight: torch.Tensor) -> bool:

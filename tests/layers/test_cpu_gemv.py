@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 20), in_features=st.integers(1, 700),
+@given(rows=st.integers(1, GEMV_MAX_ROWS + 8), in_features=st.integers(1, 700),
        panels=st.integers(1, 24), seed=st.integers(0, 2**16))
 def test_kernel_matches_f_linear(rows, in_features, panels, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -45,8 +45,8 @@ def test_hybrid_linear_equals_reference_on_both_sides_of_the_switch(out_features
     layer.weight.data.copy_(torch.randn(out_features, 72, generator=gen))
     if bias:
         layer.bias.data.copy_(torch.randn(out_features, generator=gen))
-    reference = {rows: torch.randn(rows, 72, generator=gen) for rows in (1, 5, GEMV_MAX_ROWS,
-                                                                        GEMV_MAX_ROWS + 1, 40)}
+    reference = {rows: torch.randn(rows, 72, generator=gen)
+                 for rows in (1, 5, 8, 40, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 300)}
     expected = {rows: F.linear(x, layer.weight, layer.bias) for rows, x in reference.items()}
     layer.prepack(gemv=True)
     # out_features 100 is not a multiple of 16: that layer stays on oneDNN at every size

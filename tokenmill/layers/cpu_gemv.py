@@ -1,8 +1,9 @@
-"""Small-M fp32 linear kernel for CPU (decode steps of a few tokens); see cpu_gemv_kernel.cpp.
+"""Small-M fp32 linear kernel for CPU (decode-sized steps); see cpu_gemv_kernel.cpp.
 
-oneDNN's packed GEMM is faster from about M = 12 up; below that the step streams the weights
-and this kernel reads them at memory bandwidth (SmolLM2's 120 layer GEMMs at M = 1: oneDNN
-26 ms, this kernel 16 ms; M = 4: 36 vs 20 ms; M = 8: 37 vs 32 ms).
+SmolLM2's 120 layer GEMMs (distinct weights, so they stream from memory), best of several
+runs, oneDNN's packed GEMM -> this kernel: M = 1: 20 -> 14 ms (memory bandwidth); M = 8:
+30 -> 22 ms; M = 16: 46 -> 30 ms; M = 32: 68 -> 50 ms; M = 64: 133 -> 110 ms; M = 128:
+219 -> 190 ms; M = 256: even (390 ms). Above GEMV_MAX_ROWS oneDNN takes the step.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from tokenmill.kernels.cpp_build import CpuExtension
 
-GEMV_MAX_ROWS = 8     # the kernel takes steps of at most this many tokens
+GEMV_MAX_ROWS = 128   # the kernel takes steps of at most this many tokens
 PANEL = 16            # out_features must be a multiple of this
 
 KERNEL = CpuExtension("tokenmill_cpu_gemv", Path(__file__).with_name("cpu_gemv_kernel.cpp"),

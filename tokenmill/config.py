@@ -41,8 +41,9 @@ class ModelConfig:
                                "else F.linear; 'hybrid': oneDNN packed weights plus a small-"
                                "batch kernel, twice the weight memory; 'onednn': oneDNN only)",
                                ("auto", "torch", "onednn", "hybrid"))
-    elementwise_backend: str = _opt("auto", "RMSNorm and rotary ('auto': fused C++ kernels "
-                                    "for float32 on CPU when they compile, else torch ops)",
+    elementwise_backend: str = _opt("auto", "RMSNorm, rotary and SiLU·mul ('auto': fused C++ "
+                                    "kernels for float32 on CPU when they compile, else "
+                                    "torch ops)",
                                     ("auto", "torch", "cpu_fused"))
 
     def __post_init__(self) -> None:

@@ -1,5 +1,5 @@
 """The fused CPU elementwise kernels (layers/cpu_fused) against the torch reference ops of
-RMSNorm and RotaryEmbedding, and the backend resolution."""
+RMSNorm, RotaryEmbedding and SiLU·mul, and the backend resolution."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.cpu_fused import load_kernel, resolve_elementwise_backend
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -30,6 +31,28 @@ def test_add_rms_norm_matches_reference(rows, hidden, with_residual, seed):
     torch.testing.assert_close(got_normed, want_normed, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_sum, want_sum)  # the add itself is exact
     assert torch.equal(x, x_before)        # inputs are not written
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), half=st.integers(1, 300), scale=st.sampled_from([0.1, 3.0, 40.0]),
+       seed=st.integers(0, 2**16))
+def test_silu_and_mul_matches_reference(rows, half, scale, seed):
+    """Wide inputs too: e^-x saturates at both ends (|x| up to ~200) without inf or nan."""
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(rows, 2 * half, generator=gen) * scale
+    act = SiluAndMul()
+    want = act(gate_up)
+    act.kernel = load_kernel()
+    before = gate_up.clone()
+    got = act(gate_up)
+    assert got.shape == (rows, half)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    assert torch.equal(gate_up, before)
+
+
+def test_silu_and_mul_rejects_odd_width():
+    with pytest.raises(RuntimeError, match="even"):
+        load_kernel().silu_and_mul(torch.randn(2, 7))
 
 
 @settings(max_examples=40, deadline=None)

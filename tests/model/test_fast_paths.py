@@ -1,6 +1,7 @@
-"""The optimized CPU paths (oneDNN packed linears, the paged C++ decode kernel, fused norm and
-rotary) give the same greedy tokens as the pure reference path, across batch sizes, chunked
-prefill and prefix-cache hits. HF parity of the default (fast) path is in test_hf_parity.py."""
+"""The optimized CPU paths (oneDNN packed linears, the paged C++ decode kernel, fused norm,
+rotary and SiLU·mul) give the same greedy tokens as the pure reference path, across batch
+sizes, chunked prefill and prefix-cache hits. HF parity of the default (fast) path is in
+test_hf_parity.py."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def fast_path_active(llm) -> bool:
             and (layer.mlp.gate_up_proj.gemv_weight is not None) == gemv
             and (model.lm_head.gemv_weight is not None) == gemv
             and (layer.input_layernorm.kernel is not None) == fused
+            and (layer.mlp.act.kernel is not None) == fused
             and (model.model.rotary.kernel is not None) == fused)
 
 

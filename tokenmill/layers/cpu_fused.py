@@ -1,4 +1,4 @@
-"""Fused elementwise kernels for CPU fp32 (residual add + RMSNorm, rotary); see
+"""Fused elementwise kernels for CPU fp32 (residual add + RMSNorm, rotary, SiLU·mul); see
 cpu_fused_kernel.cpp. Each replaces a chain of small torch ops whose dispatch cost dominates
 at decode sizes."""
 
@@ -11,7 +11,7 @@ import torch
 from tokenmill.kernels.cpp_build import CpuExtension
 
 KERNEL = CpuExtension("tokenmill_cpu_fused", Path(__file__).with_name("cpu_fused_kernel.cpp"),
-                      ["add_rms_norm", "rotate_half"], "cpu_fused elementwise kernels",
+                      ["add_rms_norm", "rotate_half", "silu_and_mul"], "cpu_fused elementwise kernels",
                       "torch ops", extra_cflags=("-ffp-contract=off",))
 load_kernel = KERNEL.load
 
@@ -37,10 +37,13 @@ def resolve_elementwise_backend(name: str, device: torch.device, dtype: torch.dt
 
 
 def enable_fused_elementwise(model: torch.nn.Module) -> int:
-    """Point every RMSNorm and RotaryEmbedding in `model` at the kernels; returns how many."""
+    """Point every RMSNorm, RotaryEmbedding and SiluAndMul in `model` at the kernels; returns
+    how many."""
+    from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.norm import RMSNorm
     from tokenmill.layers.rotary import RotaryEmbedding
-    modules = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]
+    modules = [m for m in model.modules()
+               if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul))]
     for module in modules:
         module.kernel = load_kernel()
     return len(modules)

@@ -14,7 +14,7 @@ from torch import nn
 from tokenmill.attention.metadata import ForwardContext
 from tokenmill.attention.registry import backend_class
 from tokenmill.attention.torch_ref import TorchReferenceBackend
-from tokenmill.layers.activation import silu_and_mul
+from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding
@@ -60,9 +60,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(spec.hidden_size, [spec.intermediate_size] * 2)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size)
+        self.act = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(self.act(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):

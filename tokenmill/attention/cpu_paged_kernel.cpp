@@ -20,32 +20,8 @@
 namespace {
 
 #ifdef __AVX2__
-// e^x for x <= 0 (inputs are scores minus their running max): x = n ln2 + r, e^r by a
-// degree-6 Taylor polynomial on |r| <= ln2/2 (relative error ~1e-7), 2^n through the exponent.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using tokenmill_avx2::exp_ps;
+using tokenmill_avx2::hsum;
 #endif
 
 // x[i] = exp(x[i] - max), returns the sum.
@@ -56,7 +32,7 @@ inline float exp_shift_sum(float* x, int len, float max) {
   const __m256 m = _mm256_set1_ps(max);
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= len; i += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
     _mm256_storeu_ps(x + i, e);
     acc = _mm256_add_ps(acc, e);
   }

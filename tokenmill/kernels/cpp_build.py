@@ -27,15 +27,20 @@ def _cpu_features_key() -> str:
     return hashlib.sha256(features.encode()).hexdigest()[:12]
 
 
+AVX2_MATH = Path(__file__).with_name("avx2_math.h")   # exp, horizontal sum
+
+
 def compile_cpu_extension(prefix: str, source: Path, functions: list[str], name: str,
-                          fallback: str, extra_cflags: tuple[str, ...] = ()
-                          ) -> ModuleType | None:
+                          fallback: str, extra_cflags: tuple[str, ...] = (),
+                          headers: tuple[Path, ...] = ()) -> ModuleType | None:
     """The compiled module exposing `functions`, or None if it cannot be built (one warning
-    naming the kernel, its fallback and the first line of the error)."""
+    naming the kernel, its fallback and the first line of the error). `headers` are put in
+    front of the source text, so a change to them rebuilds the kernel."""
     try:
         from torch.utils.cpp_extension import load_inline
         return load_inline(name=f"{prefix}_{_cpu_features_key()}",
-                           cpp_sources=[source.read_text()], functions=functions,
+                           cpp_sources=["".join(h.read_text() for h in headers)
+                                        + source.read_text()], functions=functions,
                            extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
                            extra_ldflags=["-fopenmp"])
     except Exception as error:  # no compiler, no ninja, a build error: the caller falls back
@@ -53,6 +58,7 @@ class CpuExtension:
     name: str
     fallback: str
     extra_cflags: tuple[str, ...] = ()
+    headers: tuple[Path, ...] = ()
     _module: ModuleType | None = field(default=None, init=False, repr=False)
     _tried: bool = field(default=False, init=False, repr=False)
 
@@ -61,6 +67,7 @@ class CpuExtension:
         if not self._tried:
             self._tried = True
             self._module = compile_cpu_extension(self.prefix, self.source, self.functions,
-                                                 self.name, self.fallback, self.extra_cflags)
+                                                 self.name, self.fallback, self.extra_cflags,
+                                                 self.headers)
         return self._module
 

@@ -24,12 +24,8 @@ namespace {
 int64_t row_grain(int64_t row_len) { return std::max<int64_t>(1, 32768 / row_len); }
 
 #if defined(__AVX2__)
-float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using tokenmill_avx2::exp_ps;
+using tokenmill_avx2::hsum;
 #endif
 
 // s = x (+ residual), stored to `sum` when given; out = s * rsqrt(mean(s^2) + eps) * weight
@@ -64,28 +60,6 @@ void norm_row(const float* x, const float* residual, const float* weight, float 
   for (; d < n; ++d) out[d] = (s[d] * inv) * weight[d];
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// e^x: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 Taylor polynomial (relative error
-// ~1e-7), 2^n built in the exponent field. x is clamped to the range where e^x is a normal
-// float; SiLU only needs e^-x to saturate correctly at both ends.
-__m256 exp_clamped(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-#endif
 
 // out[d] = silu(gate[d]) * up[d] = gate * up / (1 + e^-gate)
 void silu_mul_row(const float* gate, const float* up, int64_t n, float* out) {
@@ -94,7 +68,7 @@ void silu_mul_row(const float* gate, const float* up, int64_t n, float* out) {
   const __m256 one = _mm256_set1_ps(1.0f);
   for (; d + 8 <= n; d += 8) {
     const __m256 g = _mm256_loadu_ps(gate + d);
-    const __m256 denom = _mm256_add_ps(one, exp_clamped(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+    const __m256 denom = _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g)));
     _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_div_ps(g, denom), _mm256_loadu_ps(up + d)));
   }
 #endif
@@ -182,7 +156,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   const float* in = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_mul_row(in + r * 2 * n, in + r * 2 * n + n, n, op + r * n);
+    for (int64_t r = begin; r < end; ++r) {
+      silu_mul_row(in + r * 2 * n, in + r * 2 * n + n, n, op + r * n);
+    }
   });
   return out;
 }

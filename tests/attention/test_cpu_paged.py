@@ -50,6 +50,8 @@ CASES = [  # (seq_lens, kv_heads, groups, shared prefix, sliding window)
     ([48, 1, 257, 600, 129], 3, 3, 0, 40),
     ([600, 33, 16, 1, 599], 2, 1, 0, 16),
     ([40, 600, 1], 1, 9, 0, None),         # more groups than the specialized kernels
+    ([40, 600, 1, 77, 300], 2, 5, 64, None),    # one key per pass; heads together per item
+    ([3, 250, 1, 77], 3, 9, 0, 30),        # generic groups, heads together, a window
 ]
 
 

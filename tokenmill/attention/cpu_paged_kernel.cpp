@@ -2,9 +2,11 @@
 // context straight from the paged KV cache through its block table. No gather, no padding:
 // blocks shared between requests (a common prefix) are read in place and stay in cache.
 //
-// Work item = (request, kv head): the `groups` query heads of that kv head are scored against
-// each key together, so every key/value row is loaded once per item. Softmax is online, one
-// block at a time (block max, one rescale per block, vectorized exp).
+// Work item = one request's kv heads (or a single kv head when there are too few requests to
+// keep every thread busy). Inside an item the heads go round within each block, so a block is
+// read once, front to back; the `groups` query heads of a kv head are scored against each key
+// together, four keys per reduction. Softmax is online, one block at a time (block max, one
+// rescale per block, vectorized exp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -43,6 +45,23 @@ inline float exp_shift_sum(float* x, int len, float max) {
     sum += x[i];
   }
   return sum;
+}
+
+// The largest of x[0..len).
+inline float max_of(const float* x, int len) {
+  int i = 0;
+  float best = -std::numeric_limits<float>::infinity();
+#ifdef __AVX2__
+  if (len >= 8) {
+    __m256 m = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= len; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+#endif
+  for (; i < len; ++i) best = std::max(best, x[i]);
+  return best;
 }
 
 // out[g] = dot(q + g * dim, k) for g < groups.
@@ -105,30 +124,48 @@ void accumulate_block(const float* p, int stride, const float* v, int64_t token_
 }
 
 #ifdef __AVX2__
-// Fixed group count G (dim a multiple of 8): every key/value load serves all G query heads and
-// the accumulators stay in registers across the block.
+// [sum(a0), sum(a1), sum(a2), sum(a3)]: four horizontal sums in one reduction tree.
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// Scores of keys [i, i + KP) for G query heads (dim a multiple of 8). One accumulator per
+// (head, key) over the whole dim; the per-key horizontal sums were the kernel's largest cost,
+// so four keys share one reduction tree.
+template <int G, int KP>
+inline void score_keys(const float* q, const float* k, int64_t token_stride, int dim,
+                       float* scores, int stride) {
+  __m256 a[G][KP];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < KP; ++j) a[g][j] = _mm256_setzero_ps();
+  for (int d = 0; d < dim; d += 8) {
+    __m256 kv[KP];
+    for (int j = 0; j < KP; ++j) kv[j] = _mm256_loadu_ps(k + j * token_stride + d);
+    for (int g = 0; g < G; ++g) {
+      const __m256 qv = _mm256_loadu_ps(q + g * dim + d);
+      for (int j = 0; j < KP; ++j) a[g][j] = _mm256_fmadd_ps(qv, kv[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    if constexpr (KP == 4) {
+      _mm_storeu_ps(scores + g * stride, hsum4(a[g][0], a[g][1], a[g][2], a[g][3]));
+    } else {
+      for (int j = 0; j < KP; ++j) scores[g * stride + j] = hsum(a[g][j]);
+    }
+  }
+}
+
+// Fixed group count G: every key/value load serves all G query heads.
 template <int G>
 void score_block_g(const float* q, const float* k, int64_t token_stride, int len, int,
                    int dim, float* scores, int stride) {
-  for (int i = 0; i < len; ++i) {
-    const float* ki = k + i * token_stride;
-    __m256 a[G], b[G];
-    for (int g = 0; g < G; ++g) a[g] = b[g] = _mm256_setzero_ps();
-    int d = 0;
-    for (; d + 16 <= dim; d += 16) {
-      const __m256 k0 = _mm256_loadu_ps(ki + d), k1 = _mm256_loadu_ps(ki + d + 8);
-      for (int g = 0; g < G; ++g) {
-        a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d), k0, a[g]);
-        b[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d + 8), k1, b[g]);
-      }
-    }
-    for (; d < dim; d += 8) {
-      const __m256 k0 = _mm256_loadu_ps(ki + d);
-      for (int g = 0; g < G; ++g)
-        a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d), k0, a[g]);
-    }
-    for (int g = 0; g < G; ++g) scores[g * stride + i] = hsum(_mm256_add_ps(a[g], b[g]));
-  }
+  constexpr int KP = G <= 3 ? 4 : 1;   // 4 keys x G heads of accumulators fit 16 registers
+  int i = 0;
+  for (; i + KP <= len; i += KP)
+    score_keys<G, KP>(q, k + i * token_stride, token_stride, dim, scores + i, stride);
+  for (; i < len; ++i)
+    score_keys<G, 1>(q, k + i * token_stride, token_stride, dim, scores + i, stride);
 }
 
 template <int G>
@@ -192,43 +229,47 @@ struct Shape {
   AccumulateFn accumulate;
 };
 
-// One (request, kv head): attends `groups` query heads over positions [start, seq_len).
-void attend_one(const float* query, const float* k_cache, const float* v_cache,
-                const int64_t* table, int64_t start, int64_t seq_len, int64_t kv_head,
-                float scale, const Shape& s, float* q, float* scores, float* acc, float* out) {
+// One request's kv heads [h0, h0 + nh): each attends its `groups` query heads over positions
+// [start, seq_len). Heads go round inside each block, so a block's rows (all kv heads side by
+// side) are read once, front to back, instead of once per head at a stride.
+// q/acc: nh * groups * dim floats; running_max/sum: nh * groups; scores: groups * block_size.
+void attend_heads(const float* query, const float* k_cache, const float* v_cache,
+                  const int64_t* table, int64_t start, int64_t seq_len, int64_t h0, int64_t nh,
+                  float scale, const Shape& s, float* q, float* scores, float* acc,
+                  float* running_max, float* running_sum, float* out) {
   const int groups = static_cast<int>(s.groups), dim = static_cast<int>(s.dim);
-  const int bs = static_cast<int>(s.block_size);
-  for (int i = 0; i < groups * dim; ++i) q[i] = query[i] * scale;   // pre-scaled queries
-  float running_max[64], running_sum[64];
-  std::fill(running_max, running_max + groups, -std::numeric_limits<float>::infinity());
-  std::fill(running_sum, running_sum + groups, 0.0f);
-  std::fill(acc, acc + groups * dim, 0.0f);
-  const int64_t head_offset = kv_head * s.dim;
+  const int bs = static_cast<int>(s.block_size), rows = static_cast<int>(nh) * groups;
+  for (int i = 0; i < rows * dim; ++i) q[i] = query[i] * scale;   // pre-scaled queries
+  std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(running_sum, running_sum + rows, 0.0f);
+  std::fill(acc, acc + rows * dim, 0.0f);
   for (int64_t bi = start / bs; bi * bs < seq_len; ++bi) {
-    const int64_t block = table[bi];
     const int64_t t0 = std::max(start, bi * bs), t1 = std::min(seq_len, (bi + 1) * bs);
     const int len = static_cast<int>(t1 - t0);
-    const float* kb = k_cache + block * s.block_stride + head_offset;
-    const float* vb = v_cache + block * s.block_stride + head_offset;
-    const int64_t first = (t0 - bi * bs) * s.token_stride;
-    s.score(q, kb + first, s.token_stride, len, groups, dim, scores, bs);
-    for (int g = 0; g < groups; ++g) {
-      float* sg = scores + g * bs;
-      const float block_max = *std::max_element(sg, sg + len);
-      const float new_max = std::max(running_max[g], block_max);
-      const float alpha = std::exp(running_max[g] - new_max);   // 0 on the first block
-      if (alpha != 1.0f) {
-        running_sum[g] *= alpha;
-        for (int d = 0; d < dim; ++d) acc[g * dim + d] *= alpha;
+    const int64_t block_first = table[bi] * s.block_stride + (t0 - bi * bs) * s.token_stride;
+    for (int64_t h = 0; h < nh; ++h) {
+      const int64_t first = block_first + (h0 + h) * s.dim;
+      float* qh = q + h * groups * dim;
+      float* ah = acc + h * groups * dim;
+      s.score(qh, k_cache + first, s.token_stride, len, groups, dim, scores, bs);
+      for (int g = 0; g < groups; ++g) {
+        float* sg = scores + g * bs;
+        const int row = static_cast<int>(h) * groups + g;
+        const float new_max = std::max(running_max[row], max_of(sg, len));
+        const float alpha = std::exp(running_max[row] - new_max);   // 0 on the first block
+        if (alpha != 1.0f) {
+          running_sum[row] *= alpha;
+          for (int d = 0; d < dim; ++d) ah[g * dim + d] *= alpha;
+        }
+        running_max[row] = new_max;
+        running_sum[row] += exp_shift_sum(sg, len, new_max);
       }
-      running_max[g] = new_max;
-      running_sum[g] += exp_shift_sum(sg, len, new_max);
+      s.accumulate(scores, bs, v_cache + first, s.token_stride, len, groups, dim, ah);
     }
-    s.accumulate(scores, bs, vb + first, s.token_stride, len, groups, dim, acc);
   }
-  for (int g = 0; g < groups; ++g) {
-    const float inv = 1.0f / running_sum[g];
-    for (int d = 0; d < dim; ++d) out[g * dim + d] = acc[g * dim + d] * inv;
+  for (int row = 0; row < rows; ++row) {
+    const float inv = 1.0f / running_sum[row];
+    for (int d = 0; d < dim; ++d) out[row * dim + d] = acc[row * dim + d] * inv;
   }
 }
 
@@ -260,7 +301,6 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   TORCH_CHECK(k_cache.size(3) == s.dim, "head_dim of query and caches differ");
   TORCH_CHECK(s.heads % s.kv_heads == 0, "heads must be a multiple of kv_heads");
   s.groups = s.heads / s.kv_heads;
-  TORCH_CHECK(s.groups <= 64, "at most 64 query heads per kv head");
   s.max_blocks = block_table.size(1);
   s.token_stride = s.kv_heads * s.dim;
   s.block_stride = s.block_size * s.token_stride;
@@ -282,16 +322,21 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
       TORCH_CHECK(row[bi] >= 0 && row[bi] < num_blocks, "block id out of range");
   }
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, num * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_buf(s.groups * s.dim), scores(s.groups * s.block_size),
-        acc(s.groups * s.dim);
+  // A request's kv heads together (one pass over each block) when there are requests enough
+  // to keep every thread busy; one kv head per work item otherwise.
+  const int64_t nh = num >= 2 * at::get_num_threads() ? s.kv_heads : 1;
+  const int64_t items_per_request = s.kv_heads / nh;
+  at::parallel_for(0, num * items_per_request, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_buf(nh * s.groups * s.dim), scores(s.groups * s.block_size),
+        acc(nh * s.groups * s.dim), running_max(nh * s.groups), running_sum(nh * s.groups);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / s.kv_heads, h = item % s.kv_heads;
+      const int64_t r = item / items_per_request, h0 = (item % items_per_request) * nh;
       const int64_t len = lens[r];
       const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      const int64_t offset = (r * s.heads + h * s.groups) * s.dim;
-      attend_one(q + offset, kc, vc, table + r * s.max_blocks, start, len, h, fscale, s,
-                 q_buf.data(), scores.data(), acc.data(), o + offset);
+      const int64_t offset = (r * s.heads + h0 * s.groups) * s.dim;
+      attend_heads(q + offset, kc, vc, table + r * s.max_blocks, start, len, h0, nh, fscale, s,
+                   q_buf.data(), scores.data(), acc.data(), running_max.data(),
+                   running_sum.data(), o + offset);
     }
   });
 }

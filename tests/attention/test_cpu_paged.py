@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from tokenmill import SamplingParams
 from tokenmill.attention.cpu_paged import CpuPagedBackend, load_kernel
@@ -51,7 +52,8 @@ CASES = [  # (seq_lens, kv_heads, groups, shared prefix, sliding window)
     ([600, 33, 16, 1, 599], 2, 1, 0, 16),
     ([40, 600, 1], 1, 9, 0, None),         # more groups than the specialized kernels
     ([40, 600, 1, 77, 300], 2, 5, 64, None),    # one key per pass; heads together per item
-    ([3, 250, 1, 77], 3, 9, 0, 30),        # generic groups, heads together, a window
+    ([3, 250, 1, 77], 3, 9, 0, 30),        # generic groups, a window
+    ([257, 270, 300, 20, 290, 400], 3, 3, 256, None),   # a cohort broken by a short request
 ]
 
 
@@ -63,6 +65,36 @@ def test_kernel_matches_reference_decode(seq_lens, kv_heads, groups, shared, win
     caches = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
     query = torch.randn(len(seq_lens), heads, HEAD_DIM, generator=gen) * 2
     meta = metadata(random_decode_batch(gen, seq_lens, shared), seq_lens, window)
+    scale = HEAD_DIM ** -0.5
+    expected = run_decode(TorchReferenceBackend(heads, kv_heads, HEAD_DIM, scale), query,
+                          caches, meta)
+    got = run_decode(CpuPagedBackend(heads, kv_heads, HEAD_DIM, scale), query, caches, meta)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), kv_heads=st.sampled_from([1, 3]), groups=st.sampled_from([1, 3, 4]))
+def test_kernel_matches_reference_over_shared_prefixes(data, kv_heads, groups):
+    """Runs of requests sharing leading blocks (the lockstep path) of any length, diverging at
+    any block, mixed with requests sharing nothing; the output must not depend on grouping."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    tables, seq_lens = [], []
+    for _ in range(data.draw(st.integers(1, 4), label="groups of requests")):
+        prefix = [free.pop() for _ in range(data.draw(st.integers(0, 6), label="shared blocks"))]
+        for _ in range(data.draw(st.integers(1, 5), label="requests in the group")):
+            seq_len = data.draw(st.integers(1, 140), label="seq_len")
+            needed = -(-seq_len // BLOCK_SIZE)
+            own = min(needed, len(prefix))
+            tables.append(prefix[:own] + [free.pop() for _ in range(needed - own)])
+            seq_lens.append(seq_len)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    heads = kv_heads * groups
+    shape = (NUM_BLOCKS, BLOCK_SIZE, kv_heads, HEAD_DIM)
+    caches = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    query = torch.randn(len(seq_lens), heads, HEAD_DIM, generator=gen) * 2
+    meta = metadata(table, seq_lens, None)
     scale = HEAD_DIM ** -0.5
     expected = run_decode(TorchReferenceBackend(heads, kv_heads, HEAD_DIM, scale), query,
                           caches, meta)

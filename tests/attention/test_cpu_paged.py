@@ -53,7 +53,7 @@ CASES = [  # (seq_lens, kv_heads, groups, shared prefix, sliding window)
     ([40, 600, 1], 1, 9, 0, None),         # more groups than the specialized kernels
     ([40, 600, 1, 77, 300], 2, 5, 64, None),    # one key per pass; heads together per item
     ([3, 250, 1, 77], 3, 9, 0, 30),        # generic groups, a window
-    ([257, 270, 300, 20, 290, 400], 3, 3, 256, None),   # a cohort broken by a short request
+    ([257, 270, 300, 20, 290, 400], 3, 3, 256, None),   # a shared run cut by a short request
 ]
 
 
@@ -75,8 +75,9 @@ def test_kernel_matches_reference_decode(seq_lens, kv_heads, groups, shared, win
 @settings(max_examples=30, deadline=None)
 @given(data=st.data(), kv_heads=st.sampled_from([1, 3]), groups=st.sampled_from([1, 3, 4]))
 def test_kernel_matches_reference_over_shared_prefixes(data, kv_heads, groups):
-    """Runs of requests sharing leading blocks (the lockstep path) of any length, diverging at
-    any block, mixed with requests sharing nothing; the output must not depend on grouping."""
+    """Runs of requests sharing leading blocks of any length, diverging at any block, mixed with
+    requests sharing nothing; batches of 1-20 cover both work splits (per kv head, per
+    request)."""
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     tables, seq_lens = [], []

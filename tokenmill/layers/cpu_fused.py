@@ -11,9 +11,9 @@ import torch
 from tokenmill.kernels.cpp_build import AVX2_MATH, CpuExtension
 
 KERNEL = CpuExtension("tokenmill_cpu_fused", Path(__file__).with_name("cpu_fused_kernel.cpp"),
-                      ["add_rms_norm", "rotate_half", "silu_and_mul"], "cpu_fused elementwise kernels",
-                      "torch ops", extra_cflags=("-ffp-contract=off",),
-                      headers=(AVX2_MATH,))
+                      ["add_rms_norm", "rotate_half", "silu_and_mul"],
+                      "cpu_fused elementwise kernels", "torch ops",
+                      extra_cflags=("-ffp-contract=off",), headers=(AVX2_MATH,))
 load_kernel = KERNEL.load
 
 

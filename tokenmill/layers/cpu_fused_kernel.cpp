@@ -60,7 +60,6 @@ void norm_row(const float* x, const float* residual, const float* weight, float 
   for (; d < n; ++d) out[d] = (s[d] * inv) * weight[d];
 }
 
-
 // out[d] = silu(gate[d]) * up[d] = gate * up / (1 + e^-gate)
 void silu_mul_row(const float* gate, const float* up, int64_t n, float* out) {
   int64_t d = 0;

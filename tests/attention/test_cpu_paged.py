@@ -54,6 +54,12 @@ CASES = [  # (seq_lens, kv_heads, groups, shared prefix, sliding window)
     ([40, 600, 1, 77, 300], 2, 5, 64, None),    # one key per pass; heads together per item
     ([3, 250, 1, 77], 3, 9, 0, 30),        # generic groups, a window
     ([257, 270, 300, 20, 290, 400], 3, 3, 256, None),   # a shared run cut by a short request
+    # below two requests per thread each context is cut into slices of blocks, merged after
+    ([1000], 3, 3, 0, None),
+    ([700, 3], 3, 3, 0, None),              # the short request's later slices are empty
+    ([129, 500, 64], 3, 3, 0, None),
+    ([1000], 3, 3, 0, 333),                 # a window starting inside a block
+    ([800, 790], 2, 5, 512, 100),
 ]
 
 
@@ -76,8 +82,8 @@ def test_kernel_matches_reference_decode(seq_lens, kv_heads, groups, shared, win
 @given(data=st.data(), kv_heads=st.sampled_from([1, 3]), groups=st.sampled_from([1, 3, 4]))
 def test_kernel_matches_reference_over_shared_prefixes(data, kv_heads, groups):
     """Runs of requests sharing leading blocks of any length, diverging at any block, mixed with
-    requests sharing nothing; batches of 1-20 cover both work splits (per kv head, per
-    request)."""
+    requests sharing nothing; batches of 1-20 cover both work splits (context slices below two
+    requests per thread, whole requests above)."""
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     tables, seq_lens = [], []
@@ -100,6 +106,28 @@ def test_kernel_matches_reference_over_shared_prefixes(data, kv_heads, groups):
     expected = run_decode(TorchReferenceBackend(heads, kv_heads, HEAD_DIM, scale), query,
                           caches, meta)
     got = run_decode(CpuPagedBackend(heads, kv_heads, HEAD_DIM, scale), query, caches, meta)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+@settings(max_examples=30, deadline=None)
+@given(seq_lens=st.lists(st.integers(1, 900), min_size=1, max_size=3),
+       window=st.one_of(st.none(), st.integers(1, 400)), threads=st.sampled_from([1, 2, 3]))
+def test_sliced_contexts_match_reference(seq_lens, window, threads):
+    """Few requests, so contexts are cut into slices: any lengths, windows and thread counts
+    (the slice count depends on them) give the reference's output."""
+    gen = torch.Generator().manual_seed(sum(seq_lens) * 7 + (window or 0))
+    shape = (NUM_BLOCKS, BLOCK_SIZE, 3, HEAD_DIM)
+    caches = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    query = torch.randn(len(seq_lens), 9, HEAD_DIM, generator=gen) * 2
+    meta = metadata(random_decode_batch(gen, seq_lens, 0), seq_lens, window)
+    scale = HEAD_DIM ** -0.5
+    expected = run_decode(TorchReferenceBackend(9, 3, HEAD_DIM, scale), query, caches, meta)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = run_decode(CpuPagedBackend(9, 3, HEAD_DIM, scale), query, caches, meta)
+    finally:
+        torch.set_num_threads(before)
     assert (got - expected).abs().max().item() < 1e-4
 
 

@@ -2,11 +2,12 @@
 // context straight from the paged KV cache through its block table. No gather, no padding:
 // blocks shared between requests (a common prefix) are read in place and stay in cache.
 //
-// Work item = one request's kv heads (or a single kv head when there are too few requests to
-// keep every thread busy). Inside an item the heads go round within each block, so a block is
-// read once, front to back; the `groups` query heads of a kv head are scored against each key
-// together, four keys per reduction. Softmax is online, one block at a time (block max, one
-// rescale per block, vectorized exp).
+// Work item = one request, all its kv heads; with too few requests to keep every thread busy,
+// one slice of whole blocks of a request's context, the slices' partial softmax states merged
+// after (as in flash-decoding). Inside an item the heads go round within each block, so a
+// block is read once, front to back; the `groups` query heads of a kv head are scored against
+// each key together, four keys per reduction. Softmax is online, one block at a time (block
+// max, one rescale per block, vectorized exp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -229,16 +230,28 @@ struct Shape {
   AccumulateFn accumulate;
 };
 
-// One request's kv heads [h0, h0 + nh): each attends its `groups` query heads over positions
-// [start, seq_len). Heads go round inside each block, so a block's rows (all kv heads side by
-// side) are read once, front to back, instead of once per head at a stride.
-// q/acc: nh * groups * dim floats; running_max/sum: nh * groups; scores: groups * block_size.
-void attend_heads(const float* query, const float* k_cache, const float* v_cache,
-                  const int64_t* table, int64_t start, int64_t seq_len, int64_t h0, int64_t nh,
-                  float scale, const Shape& s, float* q, float* scores, float* acc,
-                  float* running_max, float* running_sum, float* out) {
+// Asks for block `block`'s keys and values ahead of use: a request's blocks need not be
+// adjacent, so the hardware prefetcher loses the stream at every block boundary.
+inline void prefetch_block(const float* k_cache, const float* v_cache, int64_t block,
+                           const Shape& s) {
+  const char* k = reinterpret_cast<const char*>(k_cache + block * s.block_stride);
+  const char* v = reinterpret_cast<const char*>(v_cache + block * s.block_stride);
+  for (int64_t byte = 0; byte < s.block_stride * 4; byte += 64) {
+    __builtin_prefetch(k + byte);
+    __builtin_prefetch(v + byte);
+  }
+}
+
+// One request's query heads over positions [start, seq_len). The kv heads go round inside
+// each block, so a block's rows (all kv heads side by side) are read once, front to back.
+// Leaves the unnormalized softmax state: acc (heads * dim floats) = sum of
+// exp(score - running_max) * value, and running_max/running_sum (heads each).
+// q: heads * dim scratch; scores: groups * block_size scratch.
+void attend(const float* query, const float* k_cache, const float* v_cache,
+            const int64_t* table, int64_t start, int64_t seq_len, float scale, const Shape& s,
+            float* q, float* scores, float* acc, float* running_max, float* running_sum) {
   const int groups = static_cast<int>(s.groups), dim = static_cast<int>(s.dim);
-  const int bs = static_cast<int>(s.block_size), rows = static_cast<int>(nh) * groups;
+  const int bs = static_cast<int>(s.block_size), rows = static_cast<int>(s.heads);
   for (int i = 0; i < rows * dim; ++i) q[i] = query[i] * scale;   // pre-scaled queries
   std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
   std::fill(running_sum, running_sum + rows, 0.0f);
@@ -247,8 +260,8 @@ void attend_heads(const float* query, const float* k_cache, const float* v_cache
     const int64_t t0 = std::max(start, bi * bs), t1 = std::min(seq_len, (bi + 1) * bs);
     const int len = static_cast<int>(t1 - t0);
     const int64_t block_first = table[bi] * s.block_stride + (t0 - bi * bs) * s.token_stride;
-    for (int64_t h = 0; h < nh; ++h) {
-      const int64_t first = block_first + (h0 + h) * s.dim;
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const int64_t first = block_first + h * s.dim;
       float* qh = q + h * groups * dim;
       float* ah = acc + h * groups * dim;
       s.score(qh, k_cache + first, s.token_stride, len, groups, dim, scores, bs);
@@ -267,10 +280,50 @@ void attend_heads(const float* query, const float* k_cache, const float* v_cache
       s.accumulate(scores, bs, v_cache + first, s.token_stride, len, groups, dim, ah);
     }
   }
-  for (int row = 0; row < rows; ++row) {
-    const float inv = 1.0f / running_sum[row];
-    for (int d = 0; d < dim; ++d) out[row * dim + d] = acc[row * dim + d] * inv;
+}
+
+// out[row] = acc[row] / sum[row] for `rows` rows of `dim`.
+void normalize(const float* acc, const float* sum, int64_t rows, int64_t dim, float* out) {
+  for (int64_t row = 0; row < rows; ++row) {
+    const float inv = 1.0f / sum[row];
+    for (int64_t d = 0; d < dim; ++d) out[row * dim + d] = acc[row * dim + d] * inv;
   }
+}
+
+// Combines `parts` partial softmax states of the same rows (each from a disjoint slice of
+// the context; a part over no keys has max -inf and sum 0) into the normalized output.
+void merge_parts(const float* acc, const float* max, const float* sum, int64_t parts,
+                 int64_t rows, int64_t dim, float* out) {
+  for (int64_t row = 0; row < rows; ++row) {
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < parts; ++p) best = std::max(best, max[p * rows + row]);
+    float total = 0.0f;
+    float* o = out + row * dim;
+    std::fill(o, o + dim, 0.0f);
+    for (int64_t p = 0; p < parts; ++p) {
+      if (sum[p * rows + row] == 0.0f) continue;
+      const float w = std::exp(max[p * rows + row] - best);
+      total += w * sum[p * rows + row];
+      const float* a = acc + (p * rows + row) * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] += w * a[d];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
+  }
+}
+
+// Work per request when there are too few requests to keep every thread busy: the context is
+// cut into this many slices of whole blocks (each at least kMinSliceBlocks long), all kv heads
+// per slice, merged after. Slices read contiguous rows; one kv head per item read a third of
+// each row at a stride and left threads idle when kv_heads did not divide evenly.
+constexpr int64_t kMinSliceBlocks = 4;
+
+int64_t slices_per_request(int64_t num, int64_t max_len, int64_t block_size, int threads) {
+  if (num >= 2 * threads) return 1;
+  const int64_t blocks = (max_len + block_size - 1) / block_size;
+  int64_t wanted = (4 * threads + num - 1) / num;
+  while ((num * wanted) % threads != 0) ++wanted;   // the same number of slices per thread
+  return std::max<int64_t>(1, std::min(wanted, blocks / kMinSliceBlocks));
 }
 
 }  // namespace
@@ -293,6 +346,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   const int64_t num = query.size(0);
   TORCH_CHECK(block_table.size(0) == num && seq_lens.numel() == num,
               "block_table/seq_lens must have one row per query");
+  if (num == 0) return;
   Shape s;
   s.heads = query.size(1);
   s.dim = query.size(2);
@@ -322,21 +376,36 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
       TORCH_CHECK(row[bi] >= 0 && row[bi] < num_blocks, "block id out of range");
   }
   const float fscale = static_cast<float>(scale);
-  // A request's kv heads together (one pass over each block) when there are requests enough
-  // to keep every thread busy; one kv head per work item otherwise.
-  const int64_t nh = num >= 2 * at::get_num_threads() ? s.kv_heads : 1;
-  const int64_t items_per_request = s.kv_heads / nh;
-  at::parallel_for(0, num * items_per_request, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_buf(nh * s.groups * s.dim), scores(s.groups * s.block_size),
-        acc(nh * s.groups * s.dim), running_max(nh * s.groups), running_sum(nh * s.groups);
+  const int64_t max_len = *std::max_element(lens, lens + num);
+  const int64_t slices = slices_per_request(num, max_len, s.block_size, at::get_num_threads());
+  const int64_t rows = s.heads;   // query heads of one request
+  // Partial softmax state of every (request, slice); with one slice it is normalized in place.
+  std::vector<float> part_acc(slices > 1 ? num * slices * rows * s.dim : 0),
+      part_max(num * slices * rows), part_sum(num * slices * rows);
+  at::parallel_for(0, num * slices, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_buf(rows * s.dim), scores(s.groups * s.block_size),
+        acc(rows * s.dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / items_per_request, h0 = (item % items_per_request) * nh;
+      const int64_t r = item / slices, slice = item % slices;
       const int64_t len = lens[r];
-      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      const int64_t offset = (r * s.heads + h0 * s.groups) * s.dim;
-      attend_heads(q + offset, kc, vc, table + r * s.max_blocks, start, len, h0, nh, fscale, s,
-                   q_buf.data(), scores.data(), acc.data(), running_max.data(),
-                   running_sum.data(), o + offset);
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      // slice bounds on block boundaries, so a block is read by one item only
+      const int64_t first_block = first / s.block_size;
+      const int64_t blocks = (len + s.block_size - 1) / s.block_size - first_block;
+      const int64_t b0 = first_block + blocks * slice / slices;
+      const int64_t b1 = first_block + blocks * (slice + 1) / slices;
+      const int64_t start = std::max(first, b0 * s.block_size);
+      const int64_t stop = std::min(len, b1 * s.block_size);
+      float* mx = part_max.data() + item * rows;
+      float* sm = part_sum.data() + item * rows;
+      float* a = slices > 1 ? part_acc.data() + item * rows * s.dim : acc.data();
+      attend(q + r * rows * s.dim, kc, vc, table + r * s.max_blocks, start, stop, fscale, s,
+             q_buf.data(), scores.data(), a, mx, sm);
+      if (slices == 1) normalize(a, sm, rows, s.dim, o + r * rows * s.dim);
     }
   });
+  // few requests (slices > 1 only below 2 per thread) and tiny work: no second fork
+  for (int64_t r = 0; slices > 1 && r < num; ++r)
+    merge_parts(part_acc.data() + r * slices * rows * s.dim, part_max.data() + r * slices * rows,
+                part_sum.data() + r * slices * rows, slices, rows, s.dim, o + r * rows * s.dim);
 }

@@ -1,6 +1,6 @@
 """The optimized CPU paths (oneDNN packed linears, the paged C++ decode kernel, fused norm,
-rotary and SiLU·mul) give the same greedy tokens as the pure reference path, across batch
-sizes, chunked prefill and prefix-cache hits. HF parity of the default (fast) path is in
+rotary and SiLU·mul, the decode plan) give the same greedy tokens as the pure reference path,
+across batch sizes, chunked prefill and prefix-cache hits. HF parity of the default (fast) path is in
 test_hf_parity.py."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from tokenmill.attention.cpu_paged import load_kernel
 from tokenmill.layers.cpu_fused import load_kernel as load_fused_kernel
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill import SamplingParams
+from tokenmill.models.decode_plan import DecodePlan
 
 SYSTEM = ("You are the help desk of a city library. Answer questions about opening hours, "
           "loans, renewals and the reading rooms briefly and politely. ") * 3
@@ -47,7 +48,9 @@ def fast_path_active(llm) -> bool:
             and (model.lm_head.gemv_weight is not None) == gemv
             and (layer.input_layernorm.kernel is not None) == fused
             and (layer.mlp.act.kernel is not None) == fused
-            and (model.model.rotary.kernel is not None) == fused)
+            and (model.model.rotary.kernel is not None) == fused
+            and (model.model.decode_plan is not None) == (gemv and fused
+                                                          and kernel == "cpu_paged"))
 
 
 @pytest.mark.parametrize("options", [
@@ -70,3 +73,27 @@ def test_fast_path_one_at_a_time_equals_reference(llm, reference_tokens):
     assert fast_path_active(llm)
     single = [[llm.generate([p], PARAMS)[0].outputs[0].token_ids] for p in PROMPTS]
     assert single == reference_tokens
+
+
+def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch):
+    """Decode-only steps through the DecodePlan give exactly the logprobs of the modules it
+    flattens, at batch 1 and batched (no prefix cache: both runs compute the same shapes)."""
+    llm = make_llm(prefix_cache=False)
+    model = llm.engine.core.worker.runner.model.model
+    if model.decode_plan is None:
+        pytest.skip("the decode plan needs the C++ kernels")
+    runs = []
+    original_run = DecodePlan.run
+    monkeypatch.setattr(DecodePlan, "run",
+                        lambda self, *args: runs.append(1) or original_run(self, *args))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def generate():
+        outputs = [llm.generate(PROMPTS[:1], params)[0], *llm.generate(PROMPTS[1:6], params)]
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    with_plan = generate()
+    assert len(runs) >= 2 * 11    # every decode step of both calls
+    monkeypatch.setattr(model, "decode_plan", None)
+    assert generate() == with_plan
+    assert_kv_clean(llm)

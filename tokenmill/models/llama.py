@@ -18,6 +18,7 @@ from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding
+from tokenmill.models.decode_plan import DecodePlan
 from tokenmill.models.spec import ModelSpec
 
 # checkpoint sub-name -> (our merged module, part index)
@@ -94,13 +95,18 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, backend)
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.decode_plan: DecodePlan | None = None   # set by build_decode_plan
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.tables(positions, hidden.dtype)
-        for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual, ctx)
+        plan = self.decode_plan
+        if plan is not None and plan.accepts(hidden.shape[0], rope, ctx):
+            hidden, residual = plan.run(hidden, rope, ctx)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(rope, hidden, residual, ctx)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -120,6 +126,12 @@ class LlamaForCausalLM(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         return self.model(input_ids, positions, ctx)
+
+    def build_decode_plan(self) -> bool:
+        """Run decode-only steps through a DecodePlan when every layer is on the CPU kernels
+        (call after the linears are packed and the fused kernels enabled); returns whether."""
+        self.model.decode_plan = DecodePlan.build(self.model.layers)
+        return self.model.decode_plan is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 logits."""

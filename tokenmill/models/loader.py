@@ -71,6 +71,7 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
         prepack_linears(model, gemv=linear == "hybrid")
     if resolve_elementwise_backend(elementwise_backend, device, dtype) == "cpu_fused":
         enable_fused_elementwise(model)
+    model.build_decode_plan()
     return model.eval(), spec, max_positions
 
 

@@ -13,6 +13,8 @@ import torch
 
 from tests.helpers.oracle import assert_kv_clean, hf_greedy
 from tokenmill import LLM, SamplingParams
+from tokenmill.attention import cpu_paged
+from tokenmill.layers import cpu_fused, cpu_gemv
 
 COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -34,6 +36,10 @@ def write_tiny_model(directory, variant: str, tokenizer_dir) -> torch.nn.Module:
     config = getattr(transformers, config_name)(**COMMON, **extra)
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():   # transformers initializes biases to zero: make q/k/v bias count
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.3)
     model.save_pretrained(directory)
     for item in tokenizer_dir.iterdir():
         shutil.copy(item, directory / item.name)
@@ -53,6 +59,11 @@ def test_tiny_model_matches_transformers(variant, tmp_path, default_model):
         assert got.token_ids == tokens
         got_logprobs = [entry[t].logprob for entry, t in zip(got.logprobs, got.token_ids)]
         assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs)) < 1e-3
+    # with the C++ kernels, the decode steps above ran through the DecodePlan, so q/k/v bias,
+    # the sliding window and RoPE scaling are checked on it too
+    kernels = all(k.load() is not None for k in (cpu_paged.KERNEL, cpu_fused.KERNEL,
+                                                  cpu_gemv.KERNEL))
+    assert (llm.engine.core.worker.runner.model.model.decode_plan is not None) == kernels
     assert_kv_clean(llm)
 
 

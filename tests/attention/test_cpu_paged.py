@@ -42,6 +42,21 @@ def run_decode(backend, query, caches, meta):
     return backend._decode(query, caches[0], caches[1], meta)
 
 
+def assert_matches_reference(gen: torch.Generator, kv_heads: int, groups: int,
+                             table: torch.Tensor, seq_lens: list[int], window: int | None):
+    """Random caches and queries; the kernel's decode output equals the reference's."""
+    heads = kv_heads * groups
+    shape = (NUM_BLOCKS, BLOCK_SIZE, kv_heads, HEAD_DIM)
+    caches = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    query = torch.randn(len(seq_lens), heads, HEAD_DIM, generator=gen) * 2
+    meta = metadata(table, seq_lens, window)
+    scale = HEAD_DIM ** -0.5
+    expected = run_decode(TorchReferenceBackend(heads, kv_heads, HEAD_DIM, scale), query,
+                          caches, meta)
+    got = run_decode(CpuPagedBackend(heads, kv_heads, HEAD_DIM, scale), query, caches, meta)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
 CASES = [  # (seq_lens, kv_heads, groups, shared prefix, sliding window)
     ([1], 1, 1, 0, None),
     ([16], 3, 3, 0, None),
@@ -66,16 +81,8 @@ CASES = [  # (seq_lens, kv_heads, groups, shared prefix, sliding window)
 @pytest.mark.parametrize("seq_lens, kv_heads, groups, shared, window", CASES)
 def test_kernel_matches_reference_decode(seq_lens, kv_heads, groups, shared, window):
     gen = torch.Generator().manual_seed(len(seq_lens) * 31 + kv_heads)
-    heads = kv_heads * groups
-    shape = (NUM_BLOCKS, BLOCK_SIZE, kv_heads, HEAD_DIM)
-    caches = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-    query = torch.randn(len(seq_lens), heads, HEAD_DIM, generator=gen) * 2
-    meta = metadata(random_decode_batch(gen, seq_lens, shared), seq_lens, window)
-    scale = HEAD_DIM ** -0.5
-    expected = run_decode(TorchReferenceBackend(heads, kv_heads, HEAD_DIM, scale), query,
-                          caches, meta)
-    got = run_decode(CpuPagedBackend(heads, kv_heads, HEAD_DIM, scale), query, caches, meta)
-    assert (got - expected).abs().max().item() < 1e-4
+    assert_matches_reference(gen, kv_heads, groups, random_decode_batch(gen, seq_lens, shared),
+                             seq_lens, window)
 
 
 @settings(max_examples=30, deadline=None)
@@ -97,16 +104,7 @@ def test_kernel_matches_reference_over_shared_prefixes(data, kv_heads, groups):
             seq_lens.append(seq_len)
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-    heads = kv_heads * groups
-    shape = (NUM_BLOCKS, BLOCK_SIZE, kv_heads, HEAD_DIM)
-    caches = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-    query = torch.randn(len(seq_lens), heads, HEAD_DIM, generator=gen) * 2
-    meta = metadata(table, seq_lens, None)
-    scale = HEAD_DIM ** -0.5
-    expected = run_decode(TorchReferenceBackend(heads, kv_heads, HEAD_DIM, scale), query,
-                          caches, meta)
-    got = run_decode(CpuPagedBackend(heads, kv_heads, HEAD_DIM, scale), query, caches, meta)
-    assert (got - expected).abs().max().item() < 1e-4
+    assert_matches_reference(gen, kv_heads, groups, table, seq_lens, None)
 
 
 @settings(max_examples=30, deadline=None)
@@ -116,19 +114,13 @@ def test_sliced_contexts_match_reference(seq_lens, window, threads):
     """Few requests, so contexts are cut into slices: any lengths, windows and thread counts
     (the slice count depends on them) give the reference's output."""
     gen = torch.Generator().manual_seed(sum(seq_lens) * 7 + (window or 0))
-    shape = (NUM_BLOCKS, BLOCK_SIZE, 3, HEAD_DIM)
-    caches = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-    query = torch.randn(len(seq_lens), 9, HEAD_DIM, generator=gen) * 2
-    meta = metadata(random_decode_batch(gen, seq_lens, 0), seq_lens, window)
-    scale = HEAD_DIM ** -0.5
-    expected = run_decode(TorchReferenceBackend(9, 3, HEAD_DIM, scale), query, caches, meta)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = run_decode(CpuPagedBackend(9, 3, HEAD_DIM, scale), query, caches, meta)
+        assert_matches_reference(gen, 3, 3, random_decode_batch(gen, seq_lens, 0), seq_lens,
+                                 window)
     finally:
         torch.set_num_threads(before)
-    assert (got - expected).abs().max().item() < 1e-4
 
 
 def test_kernel_rejects_out_of_range_block():

@@ -5,8 +5,9 @@ At batch 1 the module path spent about 3 ms of a 27 ms token in Python: ten nn.M
 per layer, the attention backend's general bookkeeping (prefill spans, a copy into a shared
 output) and their small tensor ops. The plan keeps each layer's kernel-ready weights and calls
 the same kernels, in the same order, on the same tensors, so its output is bitwise that of the
-module path (tests/models/test_decode_plan.py). Steps with a prefill chunk, or more tokens than
-the small-M linear kernel takes, go through the modules.
+module path (test_decode_plan_is_bitwise_the_module_path in tests/model/test_fast_paths.py).
+Steps with a prefill chunk, or more tokens than the small-M linear kernel takes, go through
+the modules.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from tokenmill.attention.torch_ref import write_kv
 from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill.layers.rotary import RopeTables
-
-_NO_RESIDUAL = torch.empty(0)
 
 
 class _LayerWeights(NamedTuple):
@@ -87,7 +86,7 @@ class DecodePlan:
         cos, sin = rope.cos.view(n, dim), rope.sin.view(n, dim)
         window = -1 if meta.sliding_window is None else meta.sliding_window
         qk_width = (heads + kv_heads) * dim
-        residual = _NO_RESIDUAL
+        residual = hidden.new_empty(0)   # the first norm has no residual to add
         for w, (k_cache, v_cache) in zip(self.layers, ctx.kv_caches):
             x, residual = fused.add_rms_norm(hidden, residual, w.input_norm, eps)
             qkv = gemv(x, w.qkv)

@@ -8,6 +8,13 @@
 // block is read once, front to back; the `groups` query heads of a kv head are scored against
 // each key together, four keys per reduction. Softmax is online, one block at a time (block
 // max, one rescale per block, vectorized exp).
+//
+// Decode attention is bound by memory: the KV of a batch is hundreds of MB and is read once a
+// step. The hardware prefetcher loses the stream at every block boundary (a request's blocks
+// are anywhere in the pool), and the block's arithmetic did not overlap the misses, so the
+// kernel read at a third of the copy bandwidth. Each kv head's pass over a block therefore
+// prefetches its share of the next block, a few lines per inner iteration; all of it at the
+// start of the block filled the miss queue and stalled the arithmetic instead.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -105,21 +112,37 @@ inline void accumulate_value(float* acc, const float* p, int p_stride, const flo
     for (int g = 0; g < groups; ++g) acc[g * dim + d] += p[g * p_stride] * v[d];
 }
 
+// Cache lines a block step asks for ahead of use: `lines` lines from `base` (null: none).
+struct Prefetch {
+  const char* base;
+  int lines;
+
+  // Lines [part, part + 1) * lines / parts: the share of one of `parts` loop iterations.
+  inline void part(int index, int parts) const {
+    if (base == nullptr) return;
+    for (int l = lines * index / parts; l < lines * (index + 1) / parts; ++l)
+      __builtin_prefetch(base + l * 64);
+  }
+};
+
 // Block-level steps: scores[g * stride + i] = dot(q_g, key_i) for the block's `len` keys, and
 // acc[g] += sum_i scores[g * stride + i] * value_i. Keys/values are `token_stride` apart.
+// Both spread `ahead` over their loop.
 using ScoreFn = void (*)(const float* q, const float* k, int64_t token_stride, int len,
-                         int groups, int dim, float* scores, int stride);
+                         int groups, int dim, float* scores, int stride, Prefetch ahead);
 using AccumulateFn = void (*)(const float* p, int stride, const float* v, int64_t token_stride,
-                              int len, int groups, int dim, float* acc);
+                              int len, int groups, int dim, float* acc, Prefetch ahead);
 
 void score_block(const float* q, const float* k, int64_t token_stride, int len, int groups,
-                 int dim, float* scores, int stride) {
+                 int dim, float* scores, int stride, Prefetch ahead) {
+  ahead.part(0, 1);
   for (int i = 0; i < len; ++i)
     score_key(q, k + i * token_stride, groups, dim, scores + i, stride);
 }
 
 void accumulate_block(const float* p, int stride, const float* v, int64_t token_stride, int len,
-                      int groups, int dim, float* acc) {
+                      int groups, int dim, float* acc, Prefetch ahead) {
+  ahead.part(0, 1);
   for (int i = 0; i < len; ++i)
     accumulate_value(acc, p + i, stride, v + i * token_stride, groups, dim);
 }
@@ -160,20 +183,27 @@ inline void score_keys(const float* q, const float* k, int64_t token_stride, int
 // Fixed group count G: every key/value load serves all G query heads.
 template <int G>
 void score_block_g(const float* q, const float* k, int64_t token_stride, int len, int,
-                   int dim, float* scores, int stride) {
+                   int dim, float* scores, int stride, Prefetch ahead) {
   constexpr int KP = G <= 3 ? 4 : 1;   // 4 keys x G heads of accumulators fit 16 registers
+  const int steps = len / KP;
+  if (steps == 0) ahead.part(0, 1);
   int i = 0;
-  for (; i + KP <= len; i += KP)
+  for (; i + KP <= len; i += KP) {
+    ahead.part(i / KP, steps);
     score_keys<G, KP>(q, k + i * token_stride, token_stride, dim, scores + i, stride);
+  }
   for (; i < len; ++i)
     score_keys<G, 1>(q, k + i * token_stride, token_stride, dim, scores + i, stride);
 }
 
 template <int G>
 void accumulate_block_g(const float* p, int stride, const float* v, int64_t token_stride,
-                        int len, int, int dim, float* acc) {
+                        int len, int, int dim, float* acc, Prefetch ahead) {
+  const int steps = dim / 16;
+  if (steps == 0) ahead.part(0, 1);
   int d = 0;
   for (; d + 16 <= dim; d += 16) {
+    ahead.part(d / 16, steps);
     __m256 a[G], b[G];
     for (int g = 0; g < G; ++g) {
       a[g] = _mm256_loadu_ps(acc + g * dim + d);
@@ -230,18 +260,6 @@ struct Shape {
   AccumulateFn accumulate;
 };
 
-// Asks for block `block`'s keys and values ahead of use: a request's blocks need not be
-// adjacent, so the hardware prefetcher loses the stream at every block boundary.
-inline void prefetch_block(const float* k_cache, const float* v_cache, int64_t block,
-                           const Shape& s) {
-  const char* k = reinterpret_cast<const char*>(k_cache + block * s.block_stride);
-  const char* v = reinterpret_cast<const char*>(v_cache + block * s.block_stride);
-  for (int64_t byte = 0; byte < s.block_stride * 4; byte += 64) {
-    __builtin_prefetch(k + byte);
-    __builtin_prefetch(v + byte);
-  }
-}
-
 // One request's query heads over positions [start, seq_len). The kv heads go round inside
 // each block, so a block's rows (all kv heads side by side) are read once, front to back.
 // Leaves the unnormalized softmax state: acc (heads * dim floats) = sum of
@@ -260,11 +278,20 @@ void attend(const float* query, const float* k_cache, const float* v_cache,
     const int64_t t0 = std::max(start, bi * bs), t1 = std::min(seq_len, (bi + 1) * bs);
     const int len = static_cast<int>(t1 - t0);
     const int64_t block_first = table[bi] * s.block_stride + (t0 - bi * bs) * s.token_stride;
+    // the next block, in kv_heads equal shares, one per head's pass over this block
+    const bool has_next = t1 < seq_len;
+    const int64_t next_first = has_next ? table[bi + 1] * s.block_stride : 0;
+    const int share_lines = static_cast<int>(s.block_stride * sizeof(float) / 64 / s.kv_heads);
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       const int64_t first = block_first + h * s.dim;
       float* qh = q + h * groups * dim;
       float* ah = acc + h * groups * dim;
-      s.score(qh, k_cache + first, s.token_stride, len, groups, dim, scores, bs);
+      const int64_t share = next_first + h * share_lines * (64 / sizeof(float));
+      const Prefetch next_k{has_next ? reinterpret_cast<const char*>(k_cache + share) : nullptr,
+                            share_lines};
+      const Prefetch next_v{has_next ? reinterpret_cast<const char*>(v_cache + share) : nullptr,
+                            share_lines};
+      s.score(qh, k_cache + first, s.token_stride, len, groups, dim, scores, bs, next_k);
       for (int g = 0; g < groups; ++g) {
         float* sg = scores + g * bs;
         const int row = static_cast<int>(h) * groups + g;
@@ -277,7 +304,7 @@ void attend(const float* query, const float* k_cache, const float* v_cache,
         running_max[row] = new_max;
         running_sum[row] += exp_shift_sum(sg, len, new_max);
       }
-      s.accumulate(scores, bs, v_cache + first, s.token_stride, len, groups, dim, ah);
+      s.accumulate(scores, bs, v_cache + first, s.token_stride, len, groups, dim, ah, next_v);
     }
   }
 }

@@ -95,7 +95,8 @@ def test_logprobs_top_n(llm):
         assert values[0] <= 0 and entry[token].logprob == values[0]
         assert all(lp.decoded_token is not None for lp in entry.values())
     sampled = llm.generate(PROMPT, SamplingParams(max_tokens=30, temperature=1.5, seed=7,
-                                                  logprobs=2))[0].outputs[0]
+                                                  logprobs=2, ignore_eos=True))[0].outputs[0]
+    assert len(sampled.token_ids) == 30
     ranks = [entry[t].rank for t, entry in zip(sampled.token_ids, sampled.logprobs)]
     assert any(rank > 1 for rank in ranks), "hot sampling should pick a non-top token sometime"
     assert abs(sampled.cumulative_logprob - sum(e[t].logprob for t, e in

@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.sample.penalties import apply_penalties
-from tokenmill.sample.sampler import SamplingRow, sample
+from tokenmill.sample import sampler
+from tokenmill.sample.sampler import (_CANDIDATE_COUNTS, SamplingRow, _candidate_probs,
+                                      _top_k_top_p, sample)
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -29,9 +31,7 @@ def test_sampling_follows_the_distribution():
     logits = probs.log().unsqueeze(0)
     params = SamplingParams(temperature=1.0, seed=3)
     draws = [sample(logits, [row(params, index=i, seed=3)])[0][0] for i in range(4000)]
-    for token, p in enumerate(probs.tolist()):
-        freq = draws.count(token) / len(draws)
-        assert abs(freq - p) < 4 * math.sqrt(p * (1 - p) / len(draws)), (token, freq, p)
+    assert_frequencies(draws, probs)
 
 
 def test_top_k_top_p_min_p_restrict_the_support():
@@ -41,6 +41,62 @@ def test_top_k_top_p_min_p_restrict_the_support():
         params = SamplingParams(temperature=1.0, **kwargs)
         seen = {sample(logits, [row(params, index=i, seed=i)])[0][0] for i in range(300)}
         assert seen == support, kwargs
+
+
+def assert_frequencies(draws: list[int], probs: torch.Tensor) -> None:
+    for token, p in enumerate(probs.tolist()):
+        freq = draws.count(token) / len(draws)
+        assert abs(freq - p) < 4 * math.sqrt(p * (1 - p) / len(draws)) + 1e-9, (token, freq, p)
+
+
+def test_sampling_follows_the_truncated_distribution():
+    # 200 tokens: the best 64 hold the nucleus, so the draw takes the candidate path
+    probs = torch.cat([torch.tensor([0.3, 0.25, 0.2, 0.1, 0.05]), torch.full((195,), 0.1 / 195)])
+    logits = probs.log().unsqueeze(0)
+    params = SamplingParams(temperature=1.0, top_p=0.8, seed=5)
+    draws = [sample(logits, [row(params, index=i, seed=5)])[0][0] for i in range(4000)]
+    nucleus = torch.zeros(200)
+    nucleus[:4] = probs[:4] / probs[:4].sum()   # mass before the 5th token is 0.85 >= 0.8
+    assert_frequencies(draws, nucleus)
+
+
+@pytest.mark.parametrize("draw, expected", [(0.0, 1), (1.0 - 2.0 ** -53, 3)])
+def test_extreme_draws_never_pick_a_masked_token(monkeypatch, draw, expected):
+    monkeypatch.setattr(sampler, "_uniform", lambda seed, index: draw)
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]])
+    assert sampler._draw(probs, None, [row(SamplingParams(temperature=1.0))]).tolist() == [expected]
+
+
+def test_nucleus_beyond_the_candidates_is_sorted_in_full():
+    # nearly flat over 3,000 tokens: top_p = 0.5 keeps about 1,500, more than any candidate set
+    logits = -torch.arange(3000.0).unsqueeze(0) * 1e-4
+    params = SamplingParams(temperature=1.0, top_p=0.5)
+    draws = {sample(logits, [row(params, index=i, seed=i)])[0][0] for i in range(300)}
+    support = _top_k_top_p(logits, torch.tensor([3000]), torch.tensor([0.5]))[0] > float("-inf")
+    assert all(support[token] for token in draws)
+    assert max(draws) >= max(_CANDIDATE_COUNTS)   # reached past the largest candidate set
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([100, 1500, 3000]), st.floats(0.2, 12.0), st.integers(0, 3000),
+       st.floats(0.05, 1.0), st.integers(0, 2 ** 31))
+def test_candidates_hold_the_reference_distribution(vocab, scale, top_k, top_p, seed):
+    """Where a candidate set claims to cover a row, its probabilities are the full sort's."""
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    k = torch.tensor([top_k if 0 < top_k < vocab else vocab] * 2)
+    p = torch.tensor([top_p] * 2)
+    reference = _top_k_top_p(logits, k, p).softmax(dim=-1)
+    for count in (c for c in _CANDIDATE_COUNTS if c < vocab):
+        probs, ids, covered = _candidate_probs(logits, k, p, count)
+        for r in covered.nonzero().flatten().tolist():
+            got = torch.zeros(vocab).scatter_(0, ids[r], probs[r] / probs[r].sum())
+            torch.testing.assert_close(got, reference[r], atol=1e-6, rtol=1e-4)
+        mass = logits.softmax(dim=-1).topk(count, dim=-1).values.sum(dim=-1)
+        for r in range(2):   # covered: top-k inside the candidates, or else enough mass
+            if 0 < top_k <= count:
+                assert covered[r]
+            elif top_k == 0 or top_k >= vocab and abs(mass[r] - top_p) > 1e-5:
+                assert bool(covered[r]) == bool(mass[r] >= top_p)
 
 
 def test_seeded_draw_depends_only_on_seed_and_index():

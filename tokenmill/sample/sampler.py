@@ -1,9 +1,9 @@
 """Sampler: logits of the rows that pick a token -> token ids (+ logprobs).
 
 Order: logit bias and min-token masking, penalties, then greedy argmax or temperature /
-top-k / top-p / min-p sampling. Randomness for token i of a request comes from a generator
-seeded with (request seed, i) alone, so a request draws the same tokens whatever else is in
-the batch and after a preemption. Logprobs are those of the model's raw distribution.
+top-k / top-p / min-p sampling, by inverting the CDF at one uniform draw. The draw for token i
+of a request depends on (request seed, i) alone, so a request draws the same tokens whatever
+else is in the batch and after a preemption. Logprobs are those of the model's raw distribution.
 """
 
 from __future__ import annotations
@@ -46,11 +46,16 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]
     raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
     if any(_needs_processing(r) for r in rows):
         logits = _process(logits.clone(), rows)
-    chosen = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if random_rows:
-        index = torch.tensor(random_rows, device=logits.device)
-        chosen[index] = _sample_random(logits[index], [rows[i] for i in random_rows])
+    if not random_rows:
+        chosen = logits.argmax(dim=-1)
+    elif len(random_rows) == len(rows):
+        chosen = _sample_random(logits, rows)
+    else:
+        chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i in range(len(rows)) if i not in set(random_rows)]
+        chosen[greedy] = logits[greedy].argmax(dim=-1)
+        chosen[random_rows] = _sample_random(logits[random_rows], [rows[i] for i in random_rows])
     result: list[TokenLogprobs | None] = [None] * len(rows)
     if raw_logprobs is not None:
         picked = [i for i, want in enumerate(want_logprobs) if want]
@@ -79,26 +84,88 @@ def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return logits
 
 
+# Truncated rows (top-k / top-p) draw from their best 64, else 1,024, tokens when those hold
+# the whole truncated set; a top-k pass finds them at a fraction of a full sort's cost (16 rows
+# of SmolLM2's vocabulary: 0.7 and 4.4 ms against 32 ms). Rows they do not cover are sorted.
+_CANDIDATE_COUNTS = (64, 1024)
+_MASK64 = 2 ** 64 - 1
+
+
+def _uniform(seed: int, index: int) -> float:
+    """A draw in [0, 1) that depends on (seed, token index) alone (splitmix64's finalizer)."""
+    z = (_noise_seed(seed, index) + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * 2.0 ** -53
+
+
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """logits: [rows, vocab] -> [rows] ids drawn by the exponential race (Gumbel-max)."""
-    device = logits.device
+    """logits: [rows, vocab] -> [rows] ids, each drawn by inverting the CDF of its (truncated)
+    distribution at one uniform draw. Filling the vocabulary with exponential noise from a
+    generator per row cost 1.8 ms a row, as much as a decode step's attention."""
+    device, vocab = logits.device, logits.shape[1]
     temps = torch.tensor([r.params.temperature for r in rows], device=device).unsqueeze(1)
     logits = logits / temps
-    top_k = [r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in rows]
-    top_p = [r.params.top_p for r in rows]
-    if any(k < logits.shape[1] for k in top_k) or any(p < 1 for p in top_p):
-        logits = _top_k_top_p(logits, torch.tensor(top_k, device=device),
-                              torch.tensor(top_p, device=device))
-    probs = logits.softmax(dim=-1)
+    top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab
+                          for r in rows], device=device)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+    truncated = ((top_k < vocab) | (top_p < 1)).tolist()
+    if not any(truncated):
+        return _draw(logits.softmax(dim=-1), None, rows)
+    chosen = torch.empty(len(rows), dtype=torch.long, device=device)
+    left = [i for i, t in enumerate(truncated) if t]
+    full = [i for i, t in enumerate(truncated) if not t]
+    if full:
+        chosen[full] = _draw(logits[full].softmax(dim=-1), None, [rows[i] for i in full])
+    for count in _CANDIDATE_COUNTS:
+        if not left or count >= vocab:
+            break
+        probs, ids, covered = _candidate_probs(logits[left], top_k[left], top_p[left], count)
+        inside = covered.nonzero().flatten().tolist()
+        if inside:
+            chosen[[left[i] for i in inside]] = _draw(probs[inside], ids[inside],
+                                                      [rows[left[i]] for i in inside])
+        left = [row for i, row in enumerate(left) if i not in set(inside)]
+    if left:
+        masked = _top_k_top_p(logits[left], top_k[left], top_p[left])
+        chosen[left] = _draw(masked.softmax(dim=-1), None, [rows[i] for i in left])
+    return chosen
+
+
+def _candidate_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, count: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The truncated distribution over each row's best `count` tokens, best first: (probs,
+    ids, covered). A row is covered when they hold its whole truncated set: top-k within
+    them, or, without top-k, at least top_p of the vocabulary's mass."""
+    values, ids = logits.topk(count, dim=-1)
+    ranks = torch.arange(count, device=logits.device).unsqueeze(0)
+    values = values.masked_fill(ranks >= top_k.unsqueeze(1), _MASK)
+    within = top_k <= count
+    # normalized over the top-k set, or over the vocabulary when top-k is off
+    norm = torch.where(within, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    probs = (values - norm.unsqueeze(1)).exp()
+    mass = probs.sum(dim=-1)
+    probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1), 0.0)
+    covered = within | ((top_k == logits.shape[1]) & (mass >= top_p))
+    return probs, ids, covered
+
+
+def _draw(probs: torch.Tensor, ids: torch.Tensor | None, rows: list[SamplingRow]
+          ) -> torch.Tensor:
+    """probs: [rows, n] unnormalized (min-p is applied here) -> the drawn ids: ids[row,
+    position], or the position itself when ids is None."""
+    device = probs.device
     min_p = torch.tensor([r.params.min_p for r in rows], device=device).unsqueeze(1)
     if (min_p > 0).any():
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-    noise = torch.empty_like(probs)
-    for i, row in enumerate(rows):
-        generator = torch.Generator(device=device).manual_seed(
-            _noise_seed(row.seed, row.output_index))
-        noise[i].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    draws = torch.tensor([[_uniform(r.seed, r.output_index)] for r in rows], device=device,
+                         dtype=torch.float64)
+    # u < 1 keeps u * total below the total (even rounded), so the first position whose CDF
+    # exceeds it exists and has mass
+    position = torch.searchsorted(cdf, draws * total, right=True).flatten()
+    return position if ids is None else ids.gather(1, position.unsqueeze(1)).flatten()
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

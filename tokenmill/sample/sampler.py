@@ -30,7 +30,7 @@ class SamplingRow:
     eos_token_ids: frozenset[int]
 
 
-def _noise_seed(seed: int, index: int) -> int:
+def _mix_seed(seed: int, index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) % (2 ** 63 - 1)
 
 
@@ -47,14 +47,14 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]
     if any(_needs_processing(r) for r in rows):
         logits = _process(logits.clone(), rows)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
     if not random_rows:
         chosen = logits.argmax(dim=-1)
-    elif len(random_rows) == len(rows):
+    elif not greedy_rows:
         chosen = _sample_random(logits, rows)
     else:
         chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        greedy = [i for i in range(len(rows)) if i not in set(random_rows)]
-        chosen[greedy] = logits[greedy].argmax(dim=-1)
+        chosen[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
         chosen[random_rows] = _sample_random(logits[random_rows], [rows[i] for i in random_rows])
     result: list[TokenLogprobs | None] = [None] * len(rows)
     if raw_logprobs is not None:
@@ -93,7 +93,7 @@ _MASK64 = 2 ** 64 - 1
 
 def _uniform(seed: int, index: int) -> float:
     """A draw in [0, 1) that depends on (seed, token index) alone (splitmix64's finalizer)."""
-    z = (_noise_seed(seed, index) + 0x9E3779B97F4A7C15) & _MASK64
+    z = (_mix_seed(seed, index) + 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return ((z ^ (z >> 31)) >> 11) * 2.0 ** -53
@@ -110,11 +110,11 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
                           for r in rows], device=device)
     top_p = torch.tensor([r.params.top_p for r in rows], device=device)
     truncated = ((top_k < vocab) | (top_p < 1)).tolist()
-    if not any(truncated):
-        return _draw(logits.softmax(dim=-1), None, rows)
-    chosen = torch.empty(len(rows), dtype=torch.long, device=device)
     left = [i for i, t in enumerate(truncated) if t]
     full = [i for i, t in enumerate(truncated) if not t]
+    if not left:
+        return _draw(logits.softmax(dim=-1), None, rows)
+    chosen = torch.empty(len(rows), dtype=torch.long, device=device)
     if full:
         chosen[full] = _draw(logits[full].softmax(dim=-1), None, [rows[i] for i in full])
     for count in _CANDIDATE_COUNTS:
@@ -125,7 +125,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         if inside:
             chosen[[left[i] for i in inside]] = _draw(probs[inside], ids[inside],
                                                       [rows[left[i]] for i in inside])
-        left = [row for i, row in enumerate(left) if i not in set(inside)]
+        left = [row for row, done in zip(left, covered.tolist()) if not done]
     if left:
         masked = _top_k_top_p(logits[left], top_k[left], top_p[left])
         chosen[left] = _draw(masked.softmax(dim=-1), None, [rows[i] for i in left])

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tokenmill.sample.penalties import apply_penalties
@@ -80,6 +80,7 @@ def test_nucleus_beyond_the_candidates_is_sorted_in_full():
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from([100, 1500, 3000]), st.floats(0.2, 12.0), st.integers(0, 3000),
        st.floats(0.05, 1.0), st.integers(0, 2 ** 31))
+@example(1500, 1.0, 64, 0.9, 0)   # top-k exactly a candidate count
 def test_candidates_hold_the_reference_distribution(vocab, scale, top_k, top_p, seed):
     """Where a candidate set claims to cover a row, its probabilities are the full sort's."""
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(seed)) * scale
@@ -92,10 +93,10 @@ def test_candidates_hold_the_reference_distribution(vocab, scale, top_k, top_p, 
             got = torch.zeros(vocab).scatter_(0, ids[r], probs[r] / probs[r].sum())
             torch.testing.assert_close(got, reference[r], atol=1e-6, rtol=1e-4)
         mass = logits.softmax(dim=-1).topk(count, dim=-1).values.sum(dim=-1)
-        for r in range(2):   # covered: top-k inside the candidates, or else enough mass
-            if 0 < top_k <= count:
-                assert covered[r]
-            elif top_k == 0 or top_k >= vocab and abs(mass[r] - top_p) > 1e-5:
+        for r in range(2):   # covered: top-k inside the candidates; without top-k, enough mass
+            if 0 < top_k < vocab:
+                assert bool(covered[r]) == (top_k <= count)
+            elif abs(mass[r] - top_p) > 1e-5:
                 assert bool(covered[r]) == bool(mass[r] >= top_p)
 
 

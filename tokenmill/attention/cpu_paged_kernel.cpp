@@ -166,7 +166,10 @@ inline void score_keys(const float* q, const float* k, int64_t token_stride, int
     for (int j = 0; j < KP; ++j) a[g][j] = _mm256_setzero_ps();
   for (int d = 0; d < dim; d += 8) {
     __m256 kv[KP];
-    for (int j = 0; j < KP; ++j) kv[j] = _mm256_loadu_ps(k + j * token_stride + d);
+    for (int j = 0; j < KP; ++j) {
+      kv[j] = _mm256_loadu_ps(k + j * token_stride + d);
+      __asm__("" : "+x"(kv[j]));   // one load per key, not one per FMA (see cpu_gemv)
+    }
     for (int g = 0; g < G; ++g) {
       const __m256 qv = _mm256_loadu_ps(q + g * dim + d);
       for (int j = 0; j < KP; ++j) a[g][j] = _mm256_fmadd_ps(qv, kv[j], a[g][j]);
@@ -212,7 +215,8 @@ void accumulate_block_g(const float* p, int stride, const float* v, int64_t toke
     }
     for (int i = 0; i < len; ++i) {
       const float* vi = v + i * token_stride + d;
-      const __m256 v0 = _mm256_loadu_ps(vi), v1 = _mm256_loadu_ps(vi + 8);
+      __m256 v0 = _mm256_loadu_ps(vi), v1 = _mm256_loadu_ps(vi + 8);
+      __asm__("" : "+x"(v0), "+x"(v1));
       for (int g = 0; g < G; ++g) {
         const __m256 w = _mm256_broadcast_ss(p + g * stride + i);
         a[g] = _mm256_fmadd_ps(w, v0, a[g]);
@@ -228,7 +232,8 @@ void accumulate_block_g(const float* p, int stride, const float* v, int64_t toke
     __m256 a[G];
     for (int g = 0; g < G; ++g) a[g] = _mm256_loadu_ps(acc + g * dim + d);
     for (int i = 0; i < len; ++i) {
-      const __m256 v0 = _mm256_loadu_ps(v + i * token_stride + d);
+      __m256 v0 = _mm256_loadu_ps(v + i * token_stride + d);
+      __asm__("" : "+x"(v0));
       for (int g = 0; g < G; ++g)
         a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * stride + i), v0, a[g]);
     }

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+from tokenmill.kernels.huge_pages import HUGE_PAGE, huge_pages_supported
 from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS, load_kernel
 from tokenmill.layers.linear import Linear, onednn_available
 
@@ -53,3 +54,14 @@ def test_hybrid_linear_equals_reference_on_both_sides_of_the_switch(out_features
     assert (layer.gemv_weight is not None) == (out_features % 16 == 0)
     for rows, x in reference.items():
         torch.testing.assert_close(layer(x), expected[rows], rtol=1e-4, atol=1e-3)
+
+
+def test_hybrid_linear_keeps_its_panels_on_huge_pages():
+    layer = Linear(576, 1024)                     # 2.25 MB of panels: more than one huge page
+    layer.weight.data.normal_()
+    x = torch.randn(3, 576)
+    expected = F.linear(x, layer.weight)
+    layer.prepack(gemv=True)
+    if huge_pages_supported():
+        assert layer.gemv_weight.data_ptr() % HUGE_PAGE == 0
+    torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-3)

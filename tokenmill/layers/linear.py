@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels.huge_pages import to_huge_pages
 from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS, gemv_supported
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 
@@ -76,8 +77,9 @@ class Linear(nn.Module):
         """Reorder the loaded weight for oneDNN (and, with `gemv`, into the small-M kernel's
         panels where its shape allows) and drop the plain copy; a weight shared with another
         module (a tied lm_head) lives on there."""
-        if gemv and gemv_supported(self.weight):
-            self.gemv_weight = load_gemv_kernel().pack_gemv_weight(self.weight.detach())
+        if gemv and gemv_supported(self.weight):   # streamed whole every decode step
+            self.gemv_weight = to_huge_pages(
+                load_gemv_kernel().pack_gemv_weight(self.weight.detach()))
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                      _ONEDNN_BATCH_HINT)
         del self.weight

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.metadata import ForwardContext
+from tokenmill.kernels.huge_pages import huge_page_empty
 from tokenmill.models.spec import ModelSpec
 from tokenmill.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.sample.logprobs import token_logprobs
@@ -28,9 +29,13 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(self._zeros(shape), self._zeros(shape))
                           for _ in range(self.spec.num_layers)]
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type == "cpu":   # decode attention reads scattered blocks: huge pages
+            return huge_page_empty(shape, self.dtype).zero_()   # zeroed now, not on first use
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:

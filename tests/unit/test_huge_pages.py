@@ -1,0 +1,88 @@
+"""kernels/huge_pages: tensors on memory advised for 2 MB pages, as the gemv weight panels and
+the CPU KV cache are allocated."""
+
+from __future__ import annotations
+
+import gc
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tokenmill.kernels.huge_pages import (HUGE_PAGE, huge_page_empty, huge_pages_supported,
+                                          to_huge_pages)
+from tokenmill.worker.model_runner import ModelRunner
+
+_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_enabled() -> bool:
+    """The kernel gives madvised memory huge pages ('[madvise]' or '[always]' selected)."""
+    try:
+        return re.search(r"\[(always|madvise)\]", _THP_MODE.read_text()) is not None
+    except OSError:
+        return False
+
+
+def _mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding `address`."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        bounds = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if bounds:
+            inside = int(bounds.group(1), 16) <= address < int(bounds.group(2), 16)
+        elif inside and ":" in line:
+            key, value = line.split(":", 1)
+            fields[key] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(not huge_pages_supported(), reason="no MADV_HUGEPAGE on this platform")
+def test_large_tensor_starts_on_a_huge_page_of_an_advised_mapping():
+    tensor = huge_page_empty((3, 1024, 1024), torch.float32)   # 12 MB
+    assert tensor.shape == (3, 1024, 1024) and tensor.dtype == torch.float32
+    assert tensor.is_contiguous() and tensor.data_ptr() % HUGE_PAGE == 0
+    tensor.fill_(1.5)
+    if _thp_enabled():
+        smaps = _mapping_of(tensor.data_ptr())
+        assert smaps.get("THPeligible") == "1", smaps
+
+
+def test_small_tensor_is_a_plain_one():
+    tensor = huge_page_empty((4, 8), torch.float16)
+    assert tensor.shape == (4, 8) and tensor.dtype == torch.float16
+    assert tensor.numel() * tensor.element_size() < HUGE_PAGE
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 3000), cols=st.integers(1, 600),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
+       transpose=st.booleans(), seed=st.integers(0, 2**16))
+def test_copy_is_exact_and_outlives_its_source(rows, cols, dtype, transpose, seed):
+    gen = torch.Generator().manual_seed(seed)
+    source = (torch.randn(rows, cols, generator=gen) * 100).to(dtype)
+    if transpose:
+        source = source.t()                       # a non-contiguous source
+    copy = to_huge_pages(source)
+    expected = source.clone()
+    del source
+    gc.collect()                                  # the mapping lives as long as the tensor
+    assert copy.is_contiguous() and copy.dtype == dtype
+    assert torch.equal(copy, expected)
+    copy.add_(1)                                  # writable
+    assert torch.equal(copy, expected + 1)
+
+
+@pytest.mark.skipif(not huge_pages_supported(), reason="no MADV_HUGEPAGE on this platform")
+def test_cpu_kv_cache_is_zeroed_and_on_huge_pages():
+    spec = SimpleNamespace(num_kv_heads=3, head_dim=64, num_layers=2)
+    runner = ModelRunner(None, spec, 16, torch.device("cpu"), torch.float32, frozenset())
+    runner.allocate_kv_cache(300)                 # 3.5 MB per cache
+    assert len(runner.kv_caches) == 2
+    for cache in (c for pair in runner.kv_caches for c in pair):
+        assert cache.shape == (300, 16, 3, 64) and cache.dtype == torch.float32
+        assert cache.data_ptr() % HUGE_PAGE == 0 and not cache.any()

@@ -1,0 +1,52 @@
+"""Host tensors on 2 MB pages, for the memory the decode kernels stream every step.
+
+Decode reads every weight panel and the requests' KV blocks once per step. On 4 KB pages each
+new page costs a TLB miss (the panels of SmolLM2's layers span 100,000 pages, the KV pool
+millions) and the hardware prefetcher starts over at every page boundary. Anonymous memory
+marked MADV_HUGEPAGE is backed by the kernel's transparent huge pages where it has them
+(`/sys/kernel/mm/transparent_hugepage/enabled` set to `madvise` or `always`). Same process,
+huge pages against 4 KB copies: SmolLM2's 121 linears at M = 1 25.5 -> 20.8 ms (best of 9, a
+slow hour of the machine; 15.5 -> 13.2 ms in a quieter one); decode attention over 30 layers'
+scattered KV blocks, 12 requests of 100-768 tokens 21.2 -> 16.1 ms (best of 7).
+
+Where the kernel has none, or on other platforms, these are plain tensors. The contents are
+what torch.empty would give: callers zero or copy into them.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from collections.abc import Sequence
+
+import torch
+
+HUGE_PAGE = 2 * 1024 * 1024
+
+
+def huge_pages_supported() -> bool:
+    return hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def huge_page_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor starting on a 2 MB boundary of memory advised for huge
+    pages; a plain torch.empty below one huge page or where madvise cannot ask for them."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or not huge_pages_supported():
+        return torch.empty(shape, dtype=dtype)
+    # A fresh private mapping (not malloc's heap, whose pages may already be faulted in as
+    # 4 KB; not mmap's default shared one, which is shmem and takes no transparent huge pages),
+    # one huge page longer so an aligned start fits; the tensor's storage keeps it mapped.
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % HUGE_PAGE
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    except OSError:   # a kernel without transparent huge pages: 4 KB pages, same contents
+        pass
+    return raw[start:start + nbytes].view(dtype).view(tuple(shape))
+
+
+def to_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor in huge_page_empty memory."""
+    return huge_page_empty(tensor.shape, tensor.dtype).copy_(tensor)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+from collections import OrderedDict
 
 import pytest
 
@@ -28,18 +30,28 @@ def hf_oracle(default_model):
     return model.eval()
 
 
+# Each LLM holds about 1.5 GB (the weights in three layouts, the KV cache): the suite's dozen
+# configurations, all kept, came to 20 GB of this machine's 24 and were killed for memory.
+_MAX_CACHED_LLMS = 3
+
+
 @pytest.fixture(scope="session")
 def make_llm():
-    """Build (and cache for the session) an LLM on the default model with given options."""
+    """Build an LLM on the default model with given options; the last few stay cached."""
     from tokenmill import LLM
-    cache: dict[tuple, object] = {}
+    cache: OrderedDict[tuple, object] = OrderedDict()
 
     def make(**options):
         options = {"model": DEFAULT_MODEL, "kv_cache_memory": 0.25, "max_model_len": 2048,
                    **options}
         key = tuple(sorted(options.items()))
-        if key not in cache:
-            cache[key] = LLM(**options)
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        while len(cache) >= _MAX_CACHED_LLMS:
+            cache.popitem(last=False)
+            gc.collect()                  # free its memory before the next one is built
+        cache[key] = LLM(**options)
         return cache[key]
 
     yield make

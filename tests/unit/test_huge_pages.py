@@ -52,12 +52,6 @@ def test_large_tensor_starts_on_a_huge_page_of_an_advised_mapping():
         assert smaps.get("THPeligible") == "1", smaps
 
 
-def test_small_tensor_is_a_plain_one():
-    tensor = huge_page_empty((4, 8), torch.float16)
-    assert tensor.shape == (4, 8) and tensor.dtype == torch.float16
-    assert tensor.numel() * tensor.element_size() < HUGE_PAGE
-
-
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 3000), cols=st.integers(1, 600),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),

@@ -5,9 +5,9 @@ new page costs a TLB miss (the panels of SmolLM2's layers span 100,000 pages, th
 millions) and the hardware prefetcher starts over at every page boundary. Anonymous memory
 marked MADV_HUGEPAGE is backed by the kernel's transparent huge pages where it has them
 (`/sys/kernel/mm/transparent_hugepage/enabled` set to `madvise` or `always`). Same process,
-huge pages against 4 KB copies: SmolLM2's 121 linears at M = 1 25.5 -> 20.8 ms (best of 9, a
-slow hour of the machine; 15.5 -> 13.2 ms in a quieter one); decode attention over 30 layers'
-scattered KV blocks, 12 requests of 100-768 tokens 21.2 -> 16.1 ms (best of 7).
+huge pages against 4 KB copies: SmolLM2's 121 linears at M = 1 25.5 -> 20.8 ms (best of 9, in
+a slow hour of the machine); decode attention over 30 layers' scattered KV blocks, 12 requests
+of 100-768 tokens 21.2 -> 16.1 ms (best of 7).
 
 Where the kernel has none, or on other platforms, these are plain tensors. The contents are
 what torch.empty would give: callers zero or copy into them.

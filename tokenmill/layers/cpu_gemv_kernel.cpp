@@ -7,9 +7,10 @@
 // group of x passes over it), so the weights stream from memory once per step whatever M is.
 // Only the first row group's pass reads new weights, so at decode sizes (up to 6 groups) the
 // blocks are short, 64 steps (4 KB), to keep the stream's pauses short: 256-step blocks were
-// 5-20% slower at M = 8-32 with the weights out of cache, and 5-10% faster above M = 36. At M = 1 the step is bound by that stream and runs at memory bandwidth; from
-// M = 24 up it runs at 75-90% of the FMA peak, above oneDNN's packed GEMM up to M = 256 on
-// SmolLM2's shapes. Threads split the panels.
+// 5-20% slower at M = 8-32 with the weights out of cache, and 5-10% faster above M = 36.
+// At M = 1 the step is bound by that stream and runs at memory bandwidth; from M = 24 up it
+// runs at 75-90% of the FMA peak, above oneDNN's packed GEMM up to M = 256 on SmolLM2's
+// shapes. Threads split the panels.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -19,9 +20,9 @@
 
 constexpr int64_t kPanel = 16;     // output columns per panel
 constexpr int64_t kMaxRows = 6;    // rows of x per register tile
-constexpr int64_t kBlockK = 64;    // k steps per pass over a panel slice, up to
-constexpr int64_t kShortBlockGroups = 6;  // this many row groups
-constexpr int64_t kLongBlockK = 256;      // k steps per pass for more groups
+constexpr int64_t kShortBlockK = 64;      // k steps per pass over a panel slice...
+constexpr int64_t kShortBlockGroups = 6;  // ...for up to this many row groups
+constexpr int64_t kLongBlockK = 256;      // k steps per pass for more row groups
 constexpr int64_t kPrefetch = 32;  // k steps ahead to prefetch the panel (2 KB)
 
 torch::Tensor pack_gemv_weight(torch::Tensor weight) {
@@ -106,7 +107,7 @@ static void panel_rows(int64_t m, const float* x, int64_t k_total, const float* 
     return;
   }
   const int64_t base = m / groups, extra = m % groups;
-  const int64_t block = groups <= kShortBlockGroups ? kBlockK : kLongBlockK;
+  const int64_t block = groups <= kShortBlockGroups ? kShortBlockK : kLongBlockK;
   for (int64_t k0 = 0; k0 < k_total; k0 += block) {
     const int64_t k_len = std::min(block, k_total - k0);
     int64_t row = 0;

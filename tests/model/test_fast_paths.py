@@ -6,6 +6,7 @@ path, across batch sizes, chunked prefill and prefix-cache hits. HF parity of th
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.helpers.oracle import assert_kv_clean
 from tokenmill.attention.cpu_paged import load_kernel
@@ -96,4 +97,34 @@ def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch):
     assert len(runs) >= 2 * 11    # every decode step of both calls
     monkeypatch.setattr(model, "decode_plan", None)
     assert generate() == with_plan
+    assert_kv_clean(llm)
+
+
+def test_decode_loop_rejects_bad_steps_before_touching_the_cache(llm):
+    """The C++ loop checks its inputs up front: an out-of-range slot or a missing layer's
+    cache is a clear error, not a write outside the cache, and the cache is left as it was."""
+    model = llm.engine.core.worker.runner.model.model
+    runner = llm.engine.core.worker.runner
+    plan = model.decode_plan
+    if plan is None:
+        pytest.skip("the decode plan needs the C++ kernels")
+    k_cache = runner.kv_caches[0][0]
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    caches = [c for kv in runner.kv_caches for c in kv]
+    before = [c.clone() for c in caches[:2]]
+    dim = k_cache.shape[3]
+    hidden = torch.randn(1, model.norm.weight.shape[0])
+    cos, sin = torch.ones(1, dim), torch.zeros(1, dim)
+    table, lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+
+    def step(slot: int, caches: list):
+        return plan.loop.decode_layers(hidden, plan.weights, caches, cos, sin,
+                                       torch.tensor([slot]), table, lens, plan.eps, plan.heads,
+                                       plan.kv_heads, plan.scale, -1, plan.entry_points)
+
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        step(num_slots, caches)
+    with pytest.raises(RuntimeError, match="2 caches per layer"):
+        step(0, caches[:-2])
+    assert all(torch.equal(a, b) for a, b in zip(before, caches[:2]))
     assert_kv_clean(llm)

@@ -442,3 +442,10 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
     merge_parts(part_acc.data() + r * slices * rows * s.dim, part_max.data() + r * slices * rows,
                 part_sum.data() + r * slices * rows, slices, rows, s.dim, o + r * rows * s.dim);
 }
+
+// For the C++ decode loop (kernels/entry_points.h).
+std::vector<pybind11::capsule> entry_points() {
+  using namespace tokenmill_entry;
+  return {export_entry<PagedDecodeAttentionFn>(&paged_decode_attention,
+                                               "tokenmill.paged_decode_attention")};
+}

@@ -28,6 +28,7 @@ def _cpu_features_key() -> str:
 
 
 AVX2_MATH = Path(__file__).with_name("avx2_math.h")   # exp, horizontal sum
+ENTRY_POINTS = Path(__file__).with_name("entry_points.h")   # kernels called from C++
 
 
 def compile_cpu_extension(prefix: str, source: Path, functions: list[str], name: str,

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.kernels.cpp_build import AVX2_MATH, CpuExtension
+from tokenmill.kernels.cpp_build import AVX2_MATH, ENTRY_POINTS, CpuExtension
 
 KERNEL = CpuExtension("tokenmill_cpu_fused", Path(__file__).with_name("cpu_fused_kernel.cpp"),
-                      ["add_rms_norm", "rotate_half", "silu_and_mul"],
+                      ["add_rms_norm", "rotate_half", "silu_and_mul", "entry_points"],
                       "cpu_fused elementwise kernels", "torch ops",
-                      extra_cflags=("-ffp-contract=off",), headers=(AVX2_MATH,))
+                      extra_cflags=("-ffp-contract=off",), headers=(AVX2_MATH, ENTRY_POINTS))
 load_kernel = KERNEL.load
 
 

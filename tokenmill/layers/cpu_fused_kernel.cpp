@@ -161,3 +161,11 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   });
   return out;
 }
+
+// For the C++ decode loop (kernels/entry_points.h).
+std::vector<pybind11::capsule> entry_points() {
+  using namespace tokenmill_entry;
+  return {export_entry<AddRmsNormFn>(&add_rms_norm, "tokenmill.add_rms_norm"),
+          export_entry<RotateHalfFn>(&rotate_half, "tokenmill.rotate_half"),
+          export_entry<SiluAndMulFn>(&silu_and_mul, "tokenmill.silu_and_mul")};
+}

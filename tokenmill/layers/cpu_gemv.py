@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.kernels.cpp_build import CpuExtension
+from tokenmill.kernels.cpp_build import ENTRY_POINTS, CpuExtension
 
 GEMV_MAX_ROWS = 128   # the kernel takes steps of at most this many tokens
 PANEL = 16            # out_features must be a multiple of this
 
 KERNEL = CpuExtension("tokenmill_cpu_gemv", Path(__file__).with_name("cpu_gemv_kernel.cpp"),
-                      ["pack_gemv_weight", "gemv_linear"], "cpu_gemv linear kernel",
-                      "oneDNN at every batch size")
+                      ["pack_gemv_weight", "gemv_linear", "entry_points"], "cpu_gemv linear kernel",
+                      "oneDNN at every batch size", headers=(ENTRY_POINTS,))
 load_kernel = KERNEL.load
 
 

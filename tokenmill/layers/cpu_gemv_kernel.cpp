@@ -137,3 +137,9 @@ torch::Tensor gemv_linear(torch::Tensor x, torch::Tensor packed) {
   });
   return y;
 }
+
+// For the C++ decode loop (kernels/entry_points.h).
+std::vector<pybind11::capsule> entry_points() {
+  using namespace tokenmill_entry;
+  return {export_entry<GemvLinearFn>(&gemv_linear, "tokenmill.gemv_linear")};
+}

@@ -1,17 +1,20 @@
 """DecodePlan: the decoder layers of a Llama-family model for a decode-only step, as one flat
-loop over the CPU kernels.
+loop over the CPU kernels, run in C++ (decode_plan_kernel.cpp).
 
 At batch 1 the module path spent about 3 ms of a 27 ms token in Python: ten nn.Module calls
 per layer, the attention backend's general bookkeeping (prefill spans, a copy into a shared
-output) and their small tensor ops. The plan keeps each layer's kernel-ready weights and calls
-the same kernels, in the same order, on the same tensors, so its output is bitwise that of the
-module path (test_decode_plan_is_bitwise_the_module_path in tests/model/test_fast_paths.py).
+output) and their small tensor ops. A flat Python loop over the kernels still made some 600
+dispatches a token. The plan keeps each layer's kernel-ready weights and calls the same
+kernels, in the same order, on the same tensors, so its output is bitwise that of the module
+path (test_decode_plan_is_bitwise_the_module_path in tests/model/test_fast_paths.py).
 Steps with a prefill chunk, or more tokens than the small-M linear kernel takes, go through
-the modules.
+the modules, and so does every step when a kernel cannot be built.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -19,10 +22,14 @@ from torch import nn
 
 from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.metadata import AttentionMetadata, ForwardContext
-from tokenmill.attention.torch_ref import write_kv
+from tokenmill.kernels.cpp_build import ENTRY_POINTS, CpuExtension
 from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill.layers.rotary import RopeTables
+
+LOOP = CpuExtension("tokenmill_decode_plan", Path(__file__).with_name("decode_plan_kernel.cpp"),
+                    ["decode_layers"], "C++ decode loop", "the layer modules",
+                    headers=(ENTRY_POINTS,))
 
 
 class _LayerWeights(NamedTuple):
@@ -37,18 +44,18 @@ class _LayerWeights(NamedTuple):
 
 class DecodePlan:
     def __init__(self, layers: list[_LayerWeights], eps: float, heads: int, kv_heads: int,
-                 head_dim: int, scale: float, kernels: tuple) -> None:
-        self.layers = layers
-        self.eps = eps
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.scale = scale
-        self.fused, self.gemv, self.attention = kernels
+                 scale: float, loop: ModuleType, kernel_entry_points: list[object]) -> None:
+        self.num_layers = len(layers)
+        # one flat list, 7 per layer, as decode_layers takes them (no bias: an empty tensor)
+        self.weights = [t if t is not None else torch.empty(0) for w in layers for t in w]
+        self.eps, self.heads, self.kv_heads, self.scale = eps, heads, kv_heads, scale
+        self.loop, self.entry_points = loop, kernel_entry_points
 
     @classmethod
     def build(cls, layers: nn.ModuleList) -> DecodePlan | None:
         """The plan for `layers` (LlamaDecoderLayer), or None unless every part of them runs
         on the CPU kernels: cpu_fused norms and rotary, cpu_gemv linears ("hybrid"), the
-        cpu_paged attention kernel."""
+        cpu_paged attention kernel, and the C++ loop over them builds."""
         weights = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -63,11 +70,14 @@ class DecodePlan:
             weights.append(_LayerWeights(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                 linears[0], attn.qkv_proj.bias, *linears[1:]))
+        loop = LOOP.load()
+        if loop is None:
+            return None
         first = layers[0]
         attn = first.self_attn
+        kernels = (first.input_layernorm.kernel, load_gemv_kernel(), attn.backend.kernel)
         return cls(weights, first.input_layernorm.eps, attn.num_heads, attn.num_kv_heads,
-                   attn.head_dim, attn.backend.scale,
-                   (first.input_layernorm.kernel, load_gemv_kernel(), attn.backend.kernel))
+                   attn.backend.scale, loop, [e for k in kernels for e in k.entry_points()])
 
     def accepts(self, num_tokens: int, rope: RopeTables, ctx: ForwardContext) -> bool:
         """A decode-only step the kernels take: at most GEMV_MAX_ROWS tokens, fp32 caches and
@@ -80,26 +90,13 @@ class DecodePlan:
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: [num_tokens, hidden_size] embeddings -> (last layer's output, residual),
         as the layer loop of LlamaModel.forward leaves them."""
-        n, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
-        fused, gemv, eps = self.fused, self.gemv.gemv_linear, self.eps
+        n = hidden.shape[0]
         meta: AttentionMetadata = ctx.attn
-        cos, sin = rope.cos.view(n, dim), rope.sin.view(n, dim)
+        dim = rope.cos.shape[-1]
         window = -1 if meta.sliding_window is None else meta.sliding_window
-        qk_width = (heads + kv_heads) * dim
-        residual = hidden.new_empty(0)   # the first norm has no residual to add
-        for w, (k_cache, v_cache) in zip(self.layers, ctx.kv_caches):
-            x, residual = fused.add_rms_norm(hidden, residual, w.input_norm, eps)
-            qkv = gemv(x, w.qkv)
-            if w.qkv_bias is not None:
-                qkv.add_(w.qkv_bias)
-            qk = fused.rotate_half(qkv[:, :qk_width].view(n, heads + kv_heads, dim), cos, sin)
-            write_kv(qk[:, heads:], qkv[:, qk_width:].view(n, kv_heads, dim), k_cache, v_cache,
-                     meta.slot_mapping)
-            out = hidden.new_empty((n, heads, dim))
-            self.attention.paged_decode_attention(
-                out, qk[:, :heads].contiguous(), k_cache, v_cache, meta.decode_block_table,
-                meta.decode_seq_lens, self.scale, window)
-            x, residual = fused.add_rms_norm(gemv(out.view(n, -1), w.o), residual,
-                                             w.post_norm, eps)
-            hidden = gemv(fused.silu_and_mul(gemv(x, w.gate_up)), w.down)
+        caches = [c for kv in ctx.kv_caches[:self.num_layers] for c in kv]
+        hidden, residual = self.loop.decode_layers(
+            hidden, self.weights, caches, rope.cos.view(n, dim), rope.sin.view(n, dim),
+            meta.slot_mapping, meta.decode_block_table, meta.decode_seq_lens, self.eps,
+            self.heads, self.kv_heads, self.scale, window, self.entry_points)
         return hidden, residual

@@ -1,0 +1,36 @@
+// Entry points of the CPU kernels, passed from one extension module to another as named
+// Python capsules (each kernel is its own module, built with its own flags). The decode loop
+// (models/decode_plan_kernel.cpp) calls them directly, without a trip through Python.
+#include <torch/extension.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace tokenmill_entry {
+
+using AddRmsNormFn = std::vector<torch::Tensor>(torch::Tensor x, torch::Tensor residual,
+                                                torch::Tensor weight, double eps);
+using RotateHalfFn = torch::Tensor(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+using SiluAndMulFn = torch::Tensor(torch::Tensor gate_up);
+using GemvLinearFn = torch::Tensor(torch::Tensor x, torch::Tensor packed);
+using PagedDecodeAttentionFn = void(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
+                                    torch::Tensor v_cache, torch::Tensor block_table,
+                                    torch::Tensor seq_lens, double scale, int64_t sliding_window);
+
+// The template argument names the type the caller will cast back to, so a kernel whose
+// signature drifts from its declaration above fails to compile.
+template <typename Fn>
+pybind11::capsule export_entry(Fn* fn, const char* name) {
+  return pybind11::capsule(reinterpret_cast<void*>(fn), name);
+}
+
+template <typename Fn>
+Fn* import_entry(const std::vector<pybind11::capsule>& capsules, const char* name) {
+  for (const auto& capsule : capsules)
+    if (std::strcmp(capsule.name(), name) == 0)
+      return reinterpret_cast<Fn*>(capsule.get_pointer<void>());
+  TORCH_CHECK(false, "kernel entry point ", name, " not given");
+}
+
+}  // namespace tokenmill_entry

@@ -37,8 +37,12 @@ def test_batch_of_16_equals_one_at_a_time(llm, prompts, one_at_a_time):
     assert_kv_clean(llm)
 
 
-def test_tiny_prefill_chunks_equal_unchunked(make_llm, prompts, one_at_a_time):
-    llm = make_llm(max_prefill_chunk=7, max_num_batched_tokens=24)
+@pytest.mark.parametrize("whole_from", [None, 100], ids=["all-chunked", "long-ones-whole"])
+def test_tiny_prefill_chunks_equal_unchunked(make_llm, prompts, one_at_a_time, whole_from):
+    """whole_from: prompts of at least this many tokens are prefilled in one step, past the
+    24-token budget, beside the chunks and decodes of the others."""
+    llm = make_llm(max_prefill_chunk=7, max_num_batched_tokens=24,
+                   unchunked_prefill_min=whole_from)
     assert token_ids(llm.generate(prompts, GREEDY)) == one_at_a_time
     assert_kv_clean(llm)
 

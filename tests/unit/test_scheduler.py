@@ -284,6 +284,24 @@ def test_prefix_cache_hit_skips_the_cached_prompt():
     h.check_end()
 
 
+def test_long_prompt_goes_whole_beside_the_decodes_past_the_budget():
+    h = Harness(max_num_batched_tokens=16, max_num_seqs=8, unchunked_prefill_min=50)
+    shorts = [make_request(f"d{i}", prompt(10 + i, 3), 40, float(i)) for i in range(3)]
+    h.add(*shorts)
+    h.step()
+    h.add(make_request("long", prompt(20, 100), 2, 10.0),
+          make_request("mid", prompt(21, 49), 2, 11.0))
+    out = h.step()
+    # the decodes first, then the long prompt whole (103 > 16); the budget is spent, so "mid"
+    # (below the threshold) waits and is chunked
+    assert out.num_scheduled_tokens == {"d0": 1, "d1": 1, "d2": 1, "long": 100}
+    out = h.step()
+    assert out.num_scheduled_tokens["mid"] == 16 - 4 and out.num_scheduled_tokens["long"] == 1
+    h.run()
+    h.check_outputs()
+    h.check_end()
+
+
 # ---- random workloads ---------------------------------------------------------------------
 
 MAX_MODEL_LEN = 32
@@ -300,6 +318,7 @@ def workloads(draw):
         max_num_batched_tokens=draw(st.integers(1, 24)),
         max_num_seqs=draw(st.integers(1, 5)),
         max_prefill_chunk=draw(st.none() | st.integers(1, 16)),
+        unchunked_prefill_min=draw(st.none() | st.integers(1, MAX_MODEL_LEN)),
         policy=draw(st.sampled_from(["fcfs", "priority", "lpm"])))
     requests = []
     for i in range(draw(st.integers(1, 8))):

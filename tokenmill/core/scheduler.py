@@ -5,6 +5,8 @@ decode costs one token, an unfinished prompt continues with its next chunk), the
 requests are admitted while budget, `max_num_seqs` and KV blocks allow. When blocks run out,
 the lowest-priority, latest-arrived running request is preempted: its blocks are freed (its
 full blocks stay in the prefix cache) and it is recomputed from its tokens when it resumes.
+With `unchunked_prefill_min`, a prompt with that many tokens left is computed in one step,
+whatever the budget.
 
 Pure Python over ints and lists: no torch, no model.
 """
@@ -107,6 +109,9 @@ class Scheduler:
 
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
+        whole_from = self.config.unchunked_prefill_min
+        if whole_from is not None and remaining >= whole_from:
+            return remaining   # past the budget: the step ends with this request
         return min(remaining, self.config.chunk_cap, budget)
 
     def _schedule_running(self, plan: _StepPlan) -> None:

@@ -37,7 +37,7 @@ def test_batch_of_16_equals_one_at_a_time(llm, prompts, one_at_a_time):
     assert_kv_clean(llm)
 
 
-@pytest.mark.parametrize("whole_from", [None, 100], ids=["all-chunked", "long-ones-whole"])
+@pytest.mark.parametrize("whole_from", [0, 100], ids=["all-chunked", "long-ones-whole"])
 def test_tiny_prefill_chunks_equal_unchunked(make_llm, prompts, one_at_a_time, whole_from):
     """whole_from: prompts of at least this many tokens are prefilled in one step, past the
     24-token budget, beside the chunks and decodes of the others."""

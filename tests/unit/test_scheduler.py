@@ -318,7 +318,7 @@ def workloads(draw):
         max_num_batched_tokens=draw(st.integers(1, 24)),
         max_num_seqs=draw(st.integers(1, 5)),
         max_prefill_chunk=draw(st.none() | st.integers(1, 16)),
-        unchunked_prefill_min=draw(st.none() | st.integers(1, MAX_MODEL_LEN)),
+        unchunked_prefill_min=draw(st.integers(0, MAX_MODEL_LEN)),
         policy=draw(st.sampled_from(["fcfs", "priority", "lpm"])))
     requests = []
     for i in range(draw(st.integers(1, 8))):

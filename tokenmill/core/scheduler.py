@@ -110,7 +110,7 @@ class Scheduler:
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
         whole_from = self.config.unchunked_prefill_min
-        if whole_from is not None and remaining >= whole_from:
+        if whole_from and remaining >= whole_from:
             return remaining   # past the budget: the step ends with this request
         return min(remaining, self.config.chunk_cap, budget)
 

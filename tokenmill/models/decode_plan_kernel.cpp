@@ -5,8 +5,9 @@
 // From Python the loop cost about 20 dispatches per layer (the kernels, slices and views, the
 // cache write, an allocation), some 600 per token at 30 layers. Here they are plain calls:
 // the kernels' entry points come from their own modules as capsules (kernels/entry_points.h),
-// and the new keys and values are copied into their cache slots directly. The loop runs
-// without the GIL, so the server's thread is not held up by a step.
+// and the new keys and values are copied into their cache slots directly. It keeps the GIL,
+// as the kernels do: releasing it let the server's thread run during a step, which measured
+// within the noise again (docs/benchmarks.md, 2026-11-24).
 #include <cstring>
 
 namespace {
@@ -73,7 +74,6 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
   const Kernels k = import_kernels(kernel_capsules);
   const int64_t n = hidden.size(0), dim = cos.size(1), qk_width = (heads + kv_heads) * dim;
   check_step(weights, caches, hidden, slot_mapping, kv_heads, dim);
-  pybind11::gil_scoped_release no_gil;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   torch::Tensor residual = hidden.new_empty({0});   // the first norm has no residual to add
   for (size_t layer = 0; layer < caches.size() / 2; ++layer) {

@@ -302,8 +302,8 @@ void attend(const float* query, const float* k_cache, const float* v_cache,
         float* sg = scores + g * bs;
         const int row = static_cast<int>(h) * groups + g;
         const float new_max = std::max(running_max[row], max_of(sg, len));
-        const float alpha = std::exp(running_max[row] - new_max);   // 0 on the first block
-        if (alpha != 1.0f) {
+        if (new_max != running_max[row]) {   // else alpha = exp(0) = 1: nothing to rescale
+          const float alpha = std::exp(running_max[row] - new_max);   // 0 on the first block
           running_sum[row] *= alpha;
           for (int d = 0; d < dim; ++d) ah[g * dim + d] *= alpha;
         }

@@ -90,10 +90,12 @@ class SchedulerConfig:
     # running streams (measured before unchunked_prefill_min, with a 3000-token prompt beside
     # 8 streams: 2.4 -> 1.2 s, the long prompt's TTFT unchanged at 10.5 s).
     max_num_batched_tokens: int = _opt(256, "token budget of one engine step (prefill chunks + "
-                                       "decodes)")
+                                       "decodes); only a prompt of unchunked_prefill_min "
+                                       "tokens or more may exceed it")
     max_num_seqs: int = _opt(64, "most requests running at once")
     max_prefill_chunk: int | None = _opt(None, "most prompt tokens one request computes in a "
-                                         "step (default: the whole step budget)")
+                                         "step (default: the whole step budget), except a "
+                                         "prompt of unchunked_prefill_min tokens or more")
     # 2048: a 3000-token prompt in 256-token chunks stalled 8 decoding streams 12 times, about
     # 1 s each (5% of their gaps, so their ITL p99 was a stall: 969 ms); in one step it stalls
     # them once, for 8.7 s (ITL p99 82 ms), and the prompt's TTFT fell from 10.2 to 8.7 s. The

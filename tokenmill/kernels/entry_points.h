@@ -4,7 +4,6 @@
 #include <torch/extension.h>
 
 #include <cstring>
-#include <string>
 #include <vector>
 
 namespace tokenmill_entry {

@@ -43,21 +43,21 @@ void write_slots(const float* rows, int64_t stride, const int64_t* slots, int64_
 void check_step(const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& caches,
                 const torch::Tensor& hidden, const torch::Tensor& slot_mapping, int64_t kv_heads,
                 int64_t dim) {
-  TORCH_CHECK(weights.size() % kWeightsPerLayer == 0 &&
+  TORCH_CHECK(!weights.empty() && weights.size() % kWeightsPerLayer == 0 &&
               caches.size() == 2 * (weights.size() / kWeightsPerLayer),
               "decode_layers: 7 weights and 2 caches per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layers: hidden [tokens, h]");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
               slot_mapping.numel() == hidden.size(0), "decode_layers: one int64 slot per token");
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (const auto& cache : caches) {
+  for (const auto& cache : caches)   // all alike, so one range check serves every layer
     TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() &&
                 cache.scalar_type() == torch::kFloat32 && cache.size(2) == kv_heads &&
-                cache.size(3) == dim, "decode_layers: contiguous fp32 caches of kv_heads x dim");
-    const int64_t num_slots = cache.size(0) * cache.size(1);
-    for (int64_t t = 0; t < slot_mapping.numel(); ++t)
-      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "decode_layers: slot out of range");
-  }
+                cache.size(3) == dim && cache.sizes() == caches[0].sizes(),
+                "decode_layers: contiguous fp32 caches of kv_heads x dim, all of one shape");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = caches[0].size(0) * caches[0].size(1);
+  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "decode_layers: slot out of range");
 }
 
 }  // namespace

@@ -30,12 +30,13 @@ def random_decode_batch(gen: torch.Generator, seq_lens: list[int], shared_prefix
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
 
 
-def metadata(table: torch.Tensor, seq_lens: list[int], window: int | None) -> AttentionMetadata:
+def metadata(table: torch.Tensor, seq_lens: list[int], window: int | None,
+             block_size: int = BLOCK_SIZE) -> AttentionMetadata:
     lens = torch.tensor(seq_lens, dtype=torch.long)
     return AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=len(seq_lens),
         decode_block_table=table, decode_seq_lens=lens, prefills=[], sliding_window=window,
-        decode_mask=decode_mask(lens, table.shape[1] * BLOCK_SIZE, window))
+        decode_mask=decode_mask(lens, table.shape[1] * block_size, window))
 
 
 def run_decode(backend, query, caches, meta):
@@ -43,17 +44,18 @@ def run_decode(backend, query, caches, meta):
 
 
 def assert_matches_reference(gen: torch.Generator, kv_heads: int, groups: int,
-                             table: torch.Tensor, seq_lens: list[int], window: int | None):
+                             table: torch.Tensor, seq_lens: list[int], window: int | None,
+                             block_size: int = BLOCK_SIZE, head_dim: int = HEAD_DIM):
     """Random caches and queries; the kernel's decode output equals the reference's."""
     heads = kv_heads * groups
-    shape = (NUM_BLOCKS, BLOCK_SIZE, kv_heads, HEAD_DIM)
+    shape = (NUM_BLOCKS, block_size, kv_heads, head_dim)
     caches = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-    query = torch.randn(len(seq_lens), heads, HEAD_DIM, generator=gen) * 2
-    meta = metadata(table, seq_lens, window)
-    scale = HEAD_DIM ** -0.5
-    expected = run_decode(TorchReferenceBackend(heads, kv_heads, HEAD_DIM, scale), query,
+    query = torch.randn(len(seq_lens), heads, head_dim, generator=gen) * 2
+    meta = metadata(table, seq_lens, window, block_size)
+    scale = head_dim ** -0.5
+    expected = run_decode(TorchReferenceBackend(heads, kv_heads, head_dim, scale), query,
                           caches, meta)
-    got = run_decode(CpuPagedBackend(heads, kv_heads, HEAD_DIM, scale), query, caches, meta)
+    got = run_decode(CpuPagedBackend(heads, kv_heads, head_dim, scale), query, caches, meta)
     assert (got - expected).abs().max().item() < 1e-4
 
 
@@ -69,6 +71,10 @@ CASES = [  # (seq_lens, kv_heads, groups, shared prefix, sliding window)
     ([40, 600, 1, 77, 300], 2, 5, 64, None),    # one key per pass; heads together per item
     ([3, 250, 1, 77], 3, 9, 0, 30),        # generic groups, a window
     ([257, 270, 300, 20, 290, 400], 3, 3, 256, None),   # a shared run cut by a short request
+    # requests over a common prefix of 4+ blocks attend it together, in chunks of 8 blocks
+    ([1100 + 3 * i for i in range(16)] + [40, 700], 3, 3, 1088, None),
+    ([1100, 1090, 1200], 1, 9, 1024, None),
+    ([600, 610, 5, 620, 900], 3, 1, 592, None),   # one query head per kv head; a 1-block tail
     # below two requests per thread each context is cut into slices of blocks, merged after
     ([1000], 3, 3, 0, None),
     ([700, 3], 3, 3, 0, None),              # the short request's later slices are empty
@@ -105,6 +111,20 @@ def test_kernel_matches_reference_over_shared_prefixes(data, kv_heads, groups):
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
     assert_matches_reference(gen, kv_heads, groups, table, seq_lens, None)
+
+
+@pytest.mark.parametrize("block_size, head_dim", [(8, 64), (24, 40), (16, 72)])
+def test_shared_prefix_rows_with_partial_register_tiles(block_size, head_dim):
+    """Blocks and heads whose sizes leave 8-wide remainders in the shared-prefix tiles (keys
+    per block, dims per value row); 7 requests x 3 query heads leave a partial row tile."""
+    gen = torch.Generator().manual_seed(block_size * head_dim)
+    free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    prefix = [free.pop() for _ in range(13)]
+    seq_lens = [13 * block_size + 1 + 9 * i for i in range(7)]
+    tables = [prefix + [free.pop() for _ in range(-(-n // block_size) - 13)] for n in seq_lens]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    assert_matches_reference(gen, 2, 3, table, seq_lens, None, block_size, head_dim)
 
 
 @settings(max_examples=30, deadline=None)

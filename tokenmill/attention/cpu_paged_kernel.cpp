@@ -16,10 +16,15 @@
 // prefetches its share of the next block, a few lines per inner iteration. Asking for all of
 // it at the start of the block saved far less time (6-13% against 34%), probably because
 // hundreds of requests at once fill the miss queue and stall the arithmetic.
+//
+// Requests over a common prefix of at least 4 blocks (a system prompt in the prefix cache)
+// take another route, attend_with_groups below: the shared blocks are attended by all of
+// the group's query heads at once, and each request's own blocks after them by the path above.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -125,6 +130,20 @@ struct Prefetch {
       __builtin_prefetch(base + l * 64);
   }
 };
+
+// Online softmax over one more block of a row's scores: rescales the row's state (acc, max,
+// sum) to the new running max and turns `scores` into their exp(score - max).
+inline void softmax_step(float* scores, int len, float* acc, int dim, float& running_max,
+                         float& running_sum) {
+  const float new_max = std::max(running_max, max_of(scores, len));
+  if (new_max != running_max) {   // else alpha = exp(0) = 1: nothing to rescale
+    const float alpha = std::exp(running_max - new_max);   // 0 on the first block
+    running_sum *= alpha;
+    for (int d = 0; d < dim; ++d) acc[d] *= alpha;
+  }
+  running_max = new_max;
+  running_sum += exp_shift_sum(scores, len, new_max);
+}
 
 // Block-level steps: scores[g * stride + i] = dot(q_g, key_i) for the block's `len` keys, and
 // acc[g] += sum_i scores[g * stride + i] * value_i. Keys/values are `token_stride` apart.
@@ -299,16 +318,8 @@ void attend(const float* query, const float* k_cache, const float* v_cache,
                             share_lines};
       s.score(qh, k_cache + first, s.token_stride, len, groups, dim, scores, bs, next_k);
       for (int g = 0; g < groups; ++g) {
-        float* sg = scores + g * bs;
         const int row = static_cast<int>(h) * groups + g;
-        const float new_max = std::max(running_max[row], max_of(sg, len));
-        if (new_max != running_max[row]) {   // else alpha = exp(0) = 1: nothing to rescale
-          const float alpha = std::exp(running_max[row] - new_max);   // 0 on the first block
-          running_sum[row] *= alpha;
-          for (int d = 0; d < dim; ++d) ah[g * dim + d] *= alpha;
-        }
-        running_max[row] = new_max;
-        running_sum[row] += exp_shift_sum(sg, len, new_max);
+        softmax_step(scores + g * bs, len, ah + g * dim, dim, running_max[row], running_sum[row]);
       }
       s.accumulate(scores, bs, v_cache + first, s.token_stride, len, groups, dim, ah, next_v);
     }
@@ -358,6 +369,310 @@ int64_t slices_per_request(int64_t num, int64_t max_len, int64_t block_size, int
   while ((num * wanted) % threads != 0) ++wanted;   // the same number of slices per thread
   return std::max<int64_t>(1, std::min(wanted, blocks / kMinSliceBlocks));
 }
+
+// ---- Requests over a shared prefix: their query heads against each shared block together ----
+//
+// With a common prefix (a system prompt in the prefix cache), every request of a batch reads the
+// same blocks. Per request, a kv head's key row serves only its `groups` query heads, with a
+// horizontal sum per key, and the loops wait on loads (about 0.6 FMA a cycle, measured). Here
+// all the requests' query heads of a kv head score a shared block at once, as a small matrix
+// product: the block's keys are transposed once into a [dim, block] tile, and each register tile
+// of 6 query rows x 16 keys adds rank-1 updates, 12 FMAs per 8 loads, with no horizontal sums.
+// The values go the same way (6 rows x 16 dims). Each (group, kv head, chunk of shared blocks)
+// is a work item; each request attends its own blocks after the prefix as one more item; the
+// partial softmax states are merged per request (as the slices are).
+constexpr int64_t kMinSharedBlocks = 4;   // shorter common prefixes: the per-request path
+constexpr int64_t kChunkBlocks = 16;      // shared blocks per work item
+constexpr int kRowTile = 6;               // query rows per register tile
+
+struct SharedGroup {
+  std::vector<int64_t> members;   // request indices, ascending
+  int64_t blocks;                 // leading blocks every member has, all before its last token
+  int64_t chunks() const { return (blocks + kChunkBlocks - 1) / kChunkBlocks; }
+};
+
+// Requests grouped by their first block id, each group's common leading blocks; groups with
+// fewer than kMinSharedBlocks of them, or one member, are left out.
+std::vector<SharedGroup> find_shared_groups(const int64_t* table, const int64_t* lens,
+                                            int64_t num, const Shape& s) {
+  std::vector<int64_t> order(num);
+  for (int64_t r = 0; r < num; ++r) order[r] = r;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return table[a * s.max_blocks] < table[b * s.max_blocks];
+  });
+  std::vector<SharedGroup> groups;
+  for (int64_t i = 0; i < num;) {
+    int64_t j = i;
+    while (j < num && table[order[j] * s.max_blocks] == table[order[i] * s.max_blocks]) ++j;
+    SharedGroup group{std::vector<int64_t>(order.begin() + i, order.begin() + j), 0};
+    const int64_t* lead = table + order[i] * s.max_blocks;
+    int64_t common = (lens[order[i]] - 1) / s.block_size;   // full blocks before the last token
+    for (int64_t k = i + 1; k < j && common > 0; ++k) {
+      const int64_t* row = table + order[k] * s.max_blocks;
+      common = std::min(common, (lens[order[k]] - 1) / s.block_size);
+      int64_t same = 0;
+      while (same < common && row[same] == lead[same]) ++same;
+      common = same;
+    }
+    group.blocks = common;
+    std::sort(group.members.begin(), group.members.end());
+    if (group.members.size() >= 2 && common >= kMinSharedBlocks) groups.push_back(group);
+    i = j;
+  }
+  return groups;
+}
+
+#ifdef __AVX2__
+// scores[r * stride + t] = dot(q_r, key_t) for R rows and NV * 8 keys; kt is [dim][stride].
+template <int R, int NV>
+inline void score_rows_tile(const float* q, int dim, const float* kt, int stride, float* scores) {
+  __m256 a[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j] = _mm256_setzero_ps();
+  for (int d = 0; d < dim; ++d) {
+    __m256 k[NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) {
+      k[j] = _mm256_loadu_ps(kt + d * stride + 8 * j);
+      __asm__("" : "+x"(k[j]));   // one load per key vector, not one per FMA
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 qv = _mm256_broadcast_ss(q + r * dim + d);
+      for (int j = 0; j < NV; ++j) a[r][j] = _mm256_fmadd_ps(qv, k[j], a[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(scores + r * stride + 8 * j, a[r][j]);
+}
+
+// acc[r][d0 .. d0 + NV * 8) += sum_t p[r * stride + t] * value_t for R rows and `len` values.
+template <int R, int NV>
+inline void value_rows_tile(const float* p, int stride, const float* v, int64_t token_stride,
+                            int len, float* acc, int dim) {
+  __m256 a[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j] = _mm256_loadu_ps(acc + r * dim + 8 * j);
+  for (int t = 0; t < len; ++t) {
+    __m256 vv[NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) {
+      vv[j] = _mm256_loadu_ps(v + t * token_stride + 8 * j);
+      __asm__("" : "+x"(vv[j]));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 w = _mm256_broadcast_ss(p + r * stride + t);
+      for (int j = 0; j < NV; ++j) a[r][j] = _mm256_fmadd_ps(w, vv[j], a[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(acc + r * dim + 8 * j, a[r][j]);
+}
+
+template <int NV>
+inline void score_rows_nv(int rows, const float* q, int dim, const float* kt, int stride,
+                          float* scores) {
+  switch (rows) {
+    case 6: score_rows_tile<6, NV>(q, dim, kt, stride, scores); break;
+    case 5: score_rows_tile<5, NV>(q, dim, kt, stride, scores); break;
+    case 4: score_rows_tile<4, NV>(q, dim, kt, stride, scores); break;
+    case 3: score_rows_tile<3, NV>(q, dim, kt, stride, scores); break;
+    case 2: score_rows_tile<2, NV>(q, dim, kt, stride, scores); break;
+    default: score_rows_tile<1, NV>(q, dim, kt, stride, scores); break;
+  }
+}
+
+template <int NV>
+inline void value_rows_nv(int rows, const float* p, int stride, const float* v,
+                          int64_t token_stride, int len, float* acc, int dim) {
+  switch (rows) {
+    case 6: value_rows_tile<6, NV>(p, stride, v, token_stride, len, acc, dim); break;
+    case 5: value_rows_tile<5, NV>(p, stride, v, token_stride, len, acc, dim); break;
+    case 4: value_rows_tile<4, NV>(p, stride, v, token_stride, len, acc, dim); break;
+    case 3: value_rows_tile<3, NV>(p, stride, v, token_stride, len, acc, dim); break;
+    case 2: value_rows_tile<2, NV>(p, stride, v, token_stride, len, acc, dim); break;
+    default: value_rows_tile<1, NV>(p, stride, v, token_stride, len, acc, dim); break;
+  }
+}
+
+// out[i * out_stride + j] = in[j * in_stride + i] for an 8 x 8 tile.
+inline void transpose8x8(const float* in, int64_t in_stride, float* out, int out_stride) {
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * in_stride);
+  __m256 t[8];
+  for (int i = 0; i < 4; ++i) {   // pairs of rows interleaved
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  __m256 q[8];   // four rows' elements together, per 128-bit lane
+  for (int i = 0; i < 2; ++i) {
+    q[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    q[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    q[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    q[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {   // the lanes of rows 0-3 and 4-7 joined
+    _mm256_storeu_ps(out + i * out_stride, _mm256_permute2f128_ps(q[i], q[i + 4], 0x20));
+    _mm256_storeu_ps(out + (i + 4) * out_stride, _mm256_permute2f128_ps(q[i], q[i + 4], 0x31));
+  }
+}
+
+// One head's rows of a block (`tokens` rows of `dim` floats, `token_stride` apart), to be
+// prefetched in `parts` shares (base null: nothing to fetch).
+struct HeadRows {
+  const float* base;
+  int64_t token_stride;
+  int tokens, dim;
+
+  inline void prefetch(int part, int parts) const {
+    if (base == nullptr) return;
+    const int per_row = static_cast<int>(dim * sizeof(float) / 64), lines = tokens * per_row;
+    for (int l = lines * part / parts; l < lines * (part + 1) / parts; ++l)
+      __builtin_prefetch(reinterpret_cast<const char*>(base + (l / per_row) * token_stride) +
+                         (l % per_row) * 64);
+  }
+};
+
+// `rows` pre-scaled query rows (q, [rows, dim]) of one kv head `h` over the full blocks
+// [b0, b1) of `table`; leaves their softmax state in acc [rows, dim], running max and sum.
+// Scratch: kt [dim, block_size], scores [rows, block_size]. Needs dim, block_size % 8 == 0.
+void attend_rows(const float* q, int rows, const float* k_cache, const float* v_cache,
+                 const int64_t* table, int64_t b0, int64_t b1, int64_t h, const Shape& s,
+                 float* kt, float* scores, float* acc, float* running_max, float* running_sum) {
+  const int dim = static_cast<int>(s.dim), bs = static_cast<int>(s.block_size);
+  std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(running_sum, running_sum + rows, 0.0f);
+  std::fill(acc, acc + rows * dim, 0.0f);
+  const int tiles = (rows + kRowTile - 1) / kRowTile, slices = (dim + 15) / 16;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t first = table[b] * s.block_stride + h * s.dim;
+    const float* k = k_cache + first;
+    const float* v = v_cache + first;
+    // The next block's rows of this head are asked for a phase ahead, a share per tile (its
+    // values while this block is scored, its keys while this block's values are added): all
+    // at once stalled on the full miss queue, none left the loads waiting on L3.
+    const bool has_next = b + 1 < b1;
+    const int64_t next = has_next ? table[b + 1] * s.block_stride + h * s.dim : 0;
+    const HeadRows next_v{has_next ? v_cache + next : nullptr, s.token_stride, bs, dim};
+    const HeadRows next_k{has_next ? k_cache + next : nullptr, s.token_stride, bs, dim};
+    for (int t = 0; t < bs; t += 8)   // keys transposed: one [dim, block] tile for all rows
+      for (int d = 0; d < dim; d += 8) transpose8x8(k + t * s.token_stride + d, s.token_stride,
+                                                   kt + d * bs + t, bs);
+    for (int tile = 0; tile < tiles; ++tile) {
+      next_v.prefetch(tile, tiles);
+      const int r0 = tile * kRowTile, n = std::min(kRowTile, rows - r0);
+      int t = 0;
+      for (; t + 16 <= bs; t += 16)
+        score_rows_nv<2>(n, q + r0 * dim, dim, kt + t, bs, scores + r0 * bs + t);
+      if (t < bs) score_rows_nv<1>(n, q + r0 * dim, dim, kt + t, bs, scores + r0 * bs + t);
+    }
+    for (int r = 0; r < rows; ++r)
+      softmax_step(scores + r * bs, bs, acc + r * dim, dim, running_max[r], running_sum[r]);
+    // dims outer: a slice of the block's values stays in L1 while every row tile reads it
+    for (int slice = 0; slice < slices; ++slice) {
+      next_k.prefetch(slice, slices);
+      const int d = slice * 16;
+      for (int r0 = 0; r0 < rows; r0 += kRowTile) {
+        const int n = std::min(kRowTile, rows - r0);
+        if (d + 16 <= dim)
+          value_rows_nv<2>(n, scores + r0 * bs, bs, v + d, s.token_stride, bs,
+                           acc + r0 * dim + d, dim);
+        else
+          value_rows_nv<1>(n, scores + r0 * bs, bs, v + d, s.token_stride, bs,
+                           acc + r0 * dim + d, dim);
+      }
+    }
+  }
+}
+#endif
+
+#ifdef __AVX2__
+// One unit of work of attend_with_groups: a (group, kv head, chunk) of shared blocks, or a
+// request's own blocks after its group's prefix (group < 0: a request in no group, whole).
+struct WorkItem {
+  int64_t group, head, chunk, request;
+};
+
+// The batch when some requests share a prefix (find_shared_groups): every request's state is
+// kept in parts, one per chunk of its group's shared blocks plus one for its own blocks, then
+// merged. Items are claimed from a shared counter, as their sizes differ widely.
+void attend_with_groups(const std::vector<SharedGroup>& groups, const float* q, const float* kc,
+                        const float* vc, const int64_t* table, const int64_t* lens, int64_t num,
+                        float scale, const Shape& s, float* out) {
+  const int64_t rows = s.heads, dim = s.dim, bs = s.block_size;
+  std::vector<int64_t> group_of(num, -1), first_part(num + 1, 0);
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (int64_t r : groups[g].members) group_of[r] = static_cast<int64_t>(g);
+  for (int64_t r = 0; r < num; ++r)
+    first_part[r + 1] = first_part[r] + 1 + (group_of[r] >= 0 ? groups[group_of[r]].chunks() : 0);
+  std::vector<WorkItem> items;
+  int64_t max_rows = s.groups;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    max_rows = std::max<int64_t>(max_rows, groups[g].members.size() * s.groups);
+    for (int64_t h = 0; h < s.kv_heads; ++h)
+      for (int64_t c = 0; c < groups[g].chunks(); ++c)
+        items.push_back({static_cast<int64_t>(g), h, c, -1});
+  }
+  for (int64_t r = 0; r < num; ++r) items.push_back({group_of[r], 0, 0, r});
+  const int64_t parts = first_part[num];
+  std::vector<float> part_acc(parts * rows * dim), part_max(parts * rows), part_sum(parts * rows);
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> q_buf(std::max(max_rows, rows) * dim), scores(max_rows * bs),
+        kt(dim * bs), acc(max_rows * dim), mx(max_rows), sm(max_rows);
+    for (int64_t i = next++; i < n_items; i = next++) {
+      const WorkItem& item = items[i];
+      if (item.request >= 0) {   // a request's own blocks, after its group's prefix if any
+        const int64_t r = item.request, p = first_part[r + 1] - 1;
+        const int64_t start = item.group >= 0 ? groups[item.group].blocks * bs : 0;
+        attend(q + r * rows * dim, kc, vc, table + r * s.max_blocks, start, lens[r], scale, s,
+               q_buf.data(), scores.data(), part_acc.data() + p * rows * dim,
+               part_max.data() + p * rows, part_sum.data() + p * rows);
+        continue;
+      }
+      const SharedGroup& group = groups[item.group];
+      const int64_t n_rows = group.members.size() * s.groups;
+      const int64_t b0 = item.chunk * kChunkBlocks;
+      const int64_t b1 = std::min(group.blocks, b0 + kChunkBlocks);
+      const int64_t first = table[group.members[0] * s.max_blocks + b0] * s.block_stride +
+                            item.head * dim;   // asked for while the queries are gathered
+      HeadRows{kc + first, s.token_stride, static_cast<int>(bs), static_cast<int>(dim)}.prefetch(0, 1);
+      HeadRows{vc + first, s.token_stride, static_cast<int>(bs), static_cast<int>(dim)}.prefetch(0, 1);
+      for (size_t m = 0; m < group.members.size(); ++m)   // pre-scaled rows of kv head `head`
+        for (int64_t g = 0; g < s.groups; ++g) {
+          const float* src = q + (group.members[m] * rows + item.head * s.groups + g) * dim;
+          float* dst = q_buf.data() + (m * s.groups + g) * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * scale;
+        }
+      attend_rows(q_buf.data(), static_cast<int>(n_rows), kc, vc,
+                  table + group.members[0] * s.max_blocks, b0, b1, item.head, s, kt.data(),
+                  scores.data(), acc.data(), mx.data(), sm.data());
+      for (size_t m = 0; m < group.members.size(); ++m) {
+        const int64_t p = first_part[group.members[m]] + item.chunk;
+        for (int64_t g = 0; g < s.groups; ++g) {
+          const int64_t row = m * s.groups + g, dst = p * rows + item.head * s.groups + g;
+          std::copy(acc.data() + row * dim, acc.data() + (row + 1) * dim,
+                    part_acc.data() + dst * dim);
+          part_max[dst] = mx[row];
+          part_sum[dst] = sm[row];
+        }
+      }
+    }
+  });
+  for (int64_t r = 0; r < num; ++r) {
+    const int64_t p = first_part[r];
+    merge_parts(part_acc.data() + p * rows * dim, part_max.data() + p * rows,
+                part_sum.data() + p * rows, first_part[r + 1] - p, rows, dim,
+                out + r * rows * dim);
+  }
+}
+#endif
 
 }  // namespace
 
@@ -409,6 +724,15 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
       TORCH_CHECK(row[bi] >= 0 && row[bi] < num_blocks, "block id out of range");
   }
   const float fscale = static_cast<float>(scale);
+#ifdef __AVX2__
+  if (sliding_window <= 0 && s.dim % 8 == 0 && s.block_size % 8 == 0) {
+    const std::vector<SharedGroup> groups = find_shared_groups(table, lens, num, s);
+    if (!groups.empty()) {
+      attend_with_groups(groups, q, kc, vc, table, lens, num, fscale, s, o);
+      return;
+    }
+  }
+#endif
   const int64_t max_len = *std::max_element(lens, lens + num);
   const int64_t slices = slices_per_request(num, max_len, s.block_size, at::get_num_threads());
   const int64_t rows = s.heads;   // query heads of one request

@@ -423,81 +423,44 @@ std::vector<SharedGroup> find_shared_groups(const int64_t* table, const int64_t*
 }
 
 #ifdef __AVX2__
-// scores[r * stride + t] = dot(q_r, key_t) for R rows and NV * 8 keys; kt is [dim][stride].
+// c[r][0 .. NV * 8) = (accumulate ? c[r] : 0) + sum_{i < n} a[r * lda + i] * b[i * ldb + 0 ..]
+// for R rows: rank-1 updates into 2 R NV registers, NV loads of b and R broadcasts of a per i.
+// Scores are q rows against transposed keys; values are probabilities against value rows.
 template <int R, int NV>
-inline void score_rows_tile(const float* q, int dim, const float* kt, int stride, float* scores) {
-  __m256 a[R][NV];
+inline void rank1_tile(const float* a, int64_t lda, const float* b, int64_t ldb, int n, float* c,
+                       int64_t ldc, bool accumulate) {
+  __m256 acc[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) a[r][j] = _mm256_setzero_ps();
-  for (int d = 0; d < dim; ++d) {
-    __m256 k[NV];
+    for (int j = 0; j < NV; ++j)
+      acc[r][j] = accumulate ? _mm256_loadu_ps(c + r * ldc + 8 * j) : _mm256_setzero_ps();
+  for (int i = 0; i < n; ++i) {
+    __m256 bv[NV];
 #pragma GCC unroll 8
     for (int j = 0; j < NV; ++j) {
-      k[j] = _mm256_loadu_ps(kt + d * stride + 8 * j);
-      __asm__("" : "+x"(k[j]));   // one load per key vector, not one per FMA
+      bv[j] = _mm256_loadu_ps(b + i * ldb + 8 * j);
+      __asm__("" : "+x"(bv[j]));   // one load per vector of b, not one per FMA
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 qv = _mm256_broadcast_ss(q + r * dim + d);
-      for (int j = 0; j < NV; ++j) a[r][j] = _mm256_fmadd_ps(qv, k[j], a[r][j]);
+      const __m256 av = _mm256_broadcast_ss(a + r * lda + i);
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm256_fmadd_ps(av, bv[j], acc[r][j]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(scores + r * stride + 8 * j, a[r][j]);
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(c + r * ldc + 8 * j, acc[r][j]);
 }
 
-// acc[r][d0 .. d0 + NV * 8) += sum_t p[r * stride + t] * value_t for R rows and `len` values.
-template <int R, int NV>
-inline void value_rows_tile(const float* p, int stride, const float* v, int64_t token_stride,
-                            int len, float* acc, int dim) {
-  __m256 a[R][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) a[r][j] = _mm256_loadu_ps(acc + r * dim + 8 * j);
-  for (int t = 0; t < len; ++t) {
-    __m256 vv[NV];
-#pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) {
-      vv[j] = _mm256_loadu_ps(v + t * token_stride + 8 * j);
-      __asm__("" : "+x"(vv[j]));
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 w = _mm256_broadcast_ss(p + r * stride + t);
-      for (int j = 0; j < NV; ++j) a[r][j] = _mm256_fmadd_ps(w, vv[j], a[r][j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(acc + r * dim + 8 * j, a[r][j]);
-}
-
+// rank1_tile for 1 <= rows <= kRowTile.
 template <int NV>
-inline void score_rows_nv(int rows, const float* q, int dim, const float* kt, int stride,
-                          float* scores) {
-  switch (rows) {
-    case 6: score_rows_tile<6, NV>(q, dim, kt, stride, scores); break;
-    case 5: score_rows_tile<5, NV>(q, dim, kt, stride, scores); break;
-    case 4: score_rows_tile<4, NV>(q, dim, kt, stride, scores); break;
-    case 3: score_rows_tile<3, NV>(q, dim, kt, stride, scores); break;
-    case 2: score_rows_tile<2, NV>(q, dim, kt, stride, scores); break;
-    default: score_rows_tile<1, NV>(q, dim, kt, stride, scores); break;
-  }
-}
-
-template <int NV>
-inline void value_rows_nv(int rows, const float* p, int stride, const float* v,
-                          int64_t token_stride, int len, float* acc, int dim) {
-  switch (rows) {
-    case 6: value_rows_tile<6, NV>(p, stride, v, token_stride, len, acc, dim); break;
-    case 5: value_rows_tile<5, NV>(p, stride, v, token_stride, len, acc, dim); break;
-    case 4: value_rows_tile<4, NV>(p, stride, v, token_stride, len, acc, dim); break;
-    case 3: value_rows_tile<3, NV>(p, stride, v, token_stride, len, acc, dim); break;
-    case 2: value_rows_tile<2, NV>(p, stride, v, token_stride, len, acc, dim); break;
-    default: value_rows_tile<1, NV>(p, stride, v, token_stride, len, acc, dim); break;
-  }
+inline void rank1_rows(int rows, const float* a, int64_t lda, const float* b, int64_t ldb, int n,
+                       float* c, int64_t ldc, bool accumulate) {
+  using Tile = void (*)(const float*, int64_t, const float*, int64_t, int, float*, int64_t, bool);
+  static constexpr Tile tiles[kRowTile] = {rank1_tile<1, NV>, rank1_tile<2, NV>,
+                                           rank1_tile<3, NV>, rank1_tile<4, NV>,
+                                           rank1_tile<5, NV>, rank1_tile<6, NV>};
+  tiles[rows - 1](a, lda, b, ldb, n, c, ldc, accumulate);
 }
 
 // out[i * out_stride + j] = in[j * in_stride + i] for an 8 x 8 tile.
@@ -568,8 +531,9 @@ void attend_rows(const float* q, int rows, const float* k_cache, const float* v_
       const int r0 = tile * kRowTile, n = std::min(kRowTile, rows - r0);
       int t = 0;
       for (; t + 16 <= bs; t += 16)
-        score_rows_nv<2>(n, q + r0 * dim, dim, kt + t, bs, scores + r0 * bs + t);
-      if (t < bs) score_rows_nv<1>(n, q + r0 * dim, dim, kt + t, bs, scores + r0 * bs + t);
+        rank1_rows<2>(n, q + r0 * dim, dim, kt + t, bs, dim, scores + r0 * bs + t, bs, false);
+      if (t < bs)
+        rank1_rows<1>(n, q + r0 * dim, dim, kt + t, bs, dim, scores + r0 * bs + t, bs, false);
     }
     for (int r = 0; r < rows; ++r)
       softmax_step(scores + r * bs, bs, acc + r * dim, dim, running_max[r], running_sum[r]);
@@ -580,11 +544,11 @@ void attend_rows(const float* q, int rows, const float* k_cache, const float* v_
       for (int r0 = 0; r0 < rows; r0 += kRowTile) {
         const int n = std::min(kRowTile, rows - r0);
         if (d + 16 <= dim)
-          value_rows_nv<2>(n, scores + r0 * bs, bs, v + d, s.token_stride, bs,
-                           acc + r0 * dim + d, dim);
+          rank1_rows<2>(n, scores + r0 * bs, bs, v + d, s.token_stride, bs, acc + r0 * dim + d,
+                        dim, true);
         else
-          value_rows_nv<1>(n, scores + r0 * bs, bs, v + d, s.token_stride, bs,
-                           acc + r0 * dim + d, dim);
+          rank1_rows<1>(n, scores + r0 * bs, bs, v + d, s.token_stride, bs, acc + r0 * dim + d,
+                        dim, true);
       }
     }
   }

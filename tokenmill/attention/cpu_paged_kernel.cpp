@@ -553,9 +553,7 @@ void attend_rows(const float* q, int rows, const float* k_cache, const float* v_
     }
   }
 }
-#endif
 
-#ifdef __AVX2__
 // One unit of work of attend_with_groups: a (group, kv head, chunk) of shared blocks, or a
 // request's own blocks after its group's prefix (group < 0: a request in no group, whole).
 struct WorkItem {
@@ -606,8 +604,9 @@ void attend_with_groups(const std::vector<SharedGroup>& groups, const float* q, 
       const int64_t b1 = std::min(group.blocks, b0 + kChunkBlocks);
       const int64_t first = table[group.members[0] * s.max_blocks + b0] * s.block_stride +
                             item.head * dim;   // asked for while the queries are gathered
-      HeadRows{kc + first, s.token_stride, static_cast<int>(bs), static_cast<int>(dim)}.prefetch(0, 1);
-      HeadRows{vc + first, s.token_stride, static_cast<int>(bs), static_cast<int>(dim)}.prefetch(0, 1);
+      const int block_rows = static_cast<int>(bs), width = static_cast<int>(dim);
+      HeadRows{kc + first, s.token_stride, block_rows, width}.prefetch(0, 1);
+      HeadRows{vc + first, s.token_stride, block_rows, width}.prefetch(0, 1);
       for (size_t m = 0; m < group.members.size(); ++m)   // pre-scaled rows of kv head `head`
         for (int64_t g = 0; g < s.groups; ++g) {
           const float* src = q + (group.members[m] * rows + item.head * s.groups + g) * dim;

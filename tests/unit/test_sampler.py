@@ -26,6 +26,19 @@ def test_greedy_picks_argmax():
     assert ids == [1, 0]
 
 
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(0, 5), vocab=st.sampled_from([3, 64, 100, 256, 512, 1000, 4096]),
+       levels=st.integers(1, 6), nan_at=st.one_of(st.none(), st.integers(0, 10**6)),
+       seed=st.integers(0, 2**16))
+def test_greedy_ids_is_argmax_with_ties_and_nan(rows, vocab, levels, nan_at, seed):
+    # few distinct values make ties common; argmax's answer is the first of them
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, vocab), generator=gen).float()
+    if nan_at is not None and rows:
+        logits.view(-1)[nan_at % logits.numel()] = float("nan")
+    assert torch.equal(sampler.greedy_ids(logits), logits.argmax(dim=-1))
+
+
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().unsqueeze(0)

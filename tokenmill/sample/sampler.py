@@ -49,12 +49,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
     if not random_rows:
-        chosen = logits.argmax(dim=-1)
+        chosen = greedy_ids(logits)
     elif not greedy_rows:
         chosen = _sample_random(logits, rows)
     else:
         chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        chosen[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+        chosen[greedy_rows] = greedy_ids(logits[greedy_rows])
         chosen[random_rows] = _sample_random(logits[random_rows], [rows[i] for i in random_rows])
     result: list[TokenLogprobs | None] = [None] * len(rows)
     if raw_logprobs is not None:
@@ -65,6 +65,25 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]
         for i, value in zip(picked, computed):
             result[i] = value
     return chosen.tolist(), result
+
+
+# torch's CPU argmax walks a row one element at a time (about 57 us for SmolLM2's 49,152
+# logits), while amax is vectorized: the best chunk's max, then the argmax inside that chunk,
+# cut 16 rows from 0.96 to 0.17 ms. Same answer as argmax, ties and NaN included: the first
+# chunk holding the max (NaN counts as the max, as amax propagates it), then its first hit.
+_ARGMAX_CHUNKS = (128, 64, 32, 16)
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [rows, vocab] -> [rows] int64, exactly logits.argmax(dim=-1)."""
+    rows, vocab = logits.shape
+    chunk = next((c for c in _ARGMAX_CHUNKS if vocab % c == 0 and vocab >= 4 * c), None)
+    if chunk is None or rows == 0:
+        return logits.argmax(dim=-1)
+    chunks = logits.contiguous().view(rows, vocab // chunk, chunk)
+    best = chunks.amax(dim=-1).argmax(dim=-1)
+    inside = chunks[torch.arange(rows, device=logits.device), best].argmax(dim=-1)
+    return best * chunk + inside
 
 
 def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The small-M linear kernel (layers/cpu_gemv) against F.linear, and the hybrid Linear that
-routes short steps to it and longer ones to oneDNN."""
+"""The small-M linear kernel (layers/cpu_gemv) against F.linear, its compact Q4_1/Q8_0 panels
+against its fp32 panels, and the hybrid Linear that routes short steps to it and longer ones
+to oneDNN."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from tokenmill.kernels.huge_pages import HUGE_PAGE, huge_pages_supported
-from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS, load_kernel
+from tokenmill.layers.cpu_gemv import GEMV_COMPACT_MAX_ROWS, GEMV_MAX_ROWS, load_kernel
 from tokenmill.layers.linear import Linear, onednn_available
 
 pytestmark = pytest.mark.skipif(
@@ -85,3 +86,87 @@ def test_hybrid_linear_keeps_its_panels_on_huge_pages():
     if huge_pages_supported():
         assert layer.gemv_weight.data_ptr() % HUGE_PAGE == 0
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-3)
+
+
+def q4_1_weight(gen: torch.Generator, out_features: int, in_features: int) -> torch.Tensor:
+    """Weights as a Q4_1 GGUF loads them: (d * q) + m in fp32, one fp16 d and m per 32 inputs
+    of a row, q in 0..15 (levels 0 and 15 in every block, as the quantizer makes them)."""
+    blocks = (out_features, in_features // 32, 1)
+    d = (torch.rand(blocks, generator=gen) * 0.01 + 1e-4).half().float()
+    m = (torch.randn(blocks, generator=gen) * 0.05).half().float()
+    q = torch.randint(0, 16, (*blocks[:2], 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15
+    q = q[..., torch.randperm(32, generator=gen)]
+    return (d * q + m).reshape(out_features, in_features)
+
+
+def q8_0_weight(gen: torch.Generator, out_features: int, in_features: int) -> torch.Tensor:
+    """As a Q8_0 GGUF loads them: d * q, one fp16 d per 32 inputs, q in -127..127 (the
+    largest weight of a block at level 127 or -127, as the quantizer makes it)."""
+    d = (torch.rand(out_features, in_features // 32, 1, generator=gen) * 0.01 + 1e-4).half().float()
+    q = torch.randint(-126, 127, (out_features, in_features // 32, 32), generator=gen).float()
+    q[..., 0] = 127 * (torch.randint(0, 2, q.shape[:2], generator=gen) * 2 - 1)
+    q = q[..., torch.randperm(32, generator=gen)]
+    return (d * q).reshape(out_features, in_features)
+
+
+FORMATS = {"q4_1": (q4_1_weight, "pack_gemv_q4", torch.uint8),
+           "q8_0": (q8_0_weight, "pack_gemv_q8", torch.int8)}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 20), blocks=st.integers(1, 24), panels=st.integers(1, 9),
+       seed=st.integers(0, 2**16))
+def test_compact_panels_give_bitwise_the_fp32_panels_output(fmt, rows, blocks, panels, seed):
+    # The packer recovers every block's scales and levels, and the kernel rebuilds the same
+    # fp32 weights and sums them in the same order: not close, equal; and a row's result
+    # still does not depend on the rows beside it.
+    make, packer, dtype = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(seed)
+    kernel = load_kernel()
+    weight = make(gen, panels * 16, blocks * 32)
+    compact = getattr(kernel, packer)(weight)
+    assert compact.dtype == dtype and compact.numel() > 0
+    assert compact.numel() < weight.numel() * 4 // 3      # at most 1.125 bytes a weight
+    x = torch.randn(rows, blocks * 32, generator=gen)
+    together = kernel.gemv_linear(x, compact)
+    assert torch.equal(together, kernel.gemv_linear(x, kernel.pack_gemv_weight(weight)))
+    for row in range(rows):
+        assert torch.equal(kernel.gemv_linear(x[row:row + 1].contiguous(), compact),
+                           together[row:row + 1]), row
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compact_packers_refuse_weights_they_cannot_rebuild_exactly(fmt):
+    make, packer, _ = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(7)
+    pack = getattr(load_kernel(), packer)
+    weight = make(gen, 32, 96)
+    assert pack(weight).numel() > 0
+    nudged = weight.clone()
+    nudged[17, 40] = torch.nextafter(nudged[17, 40], torch.tensor(1.0))   # one ulp, one weight
+    assert pack(nudged).numel() == 0
+    assert pack(torch.randn(32, 96, generator=gen)).numel() == 0       # plain fp32 weights
+    assert pack(make(gen, 32, 96)[:, :80].contiguous()).numel() == 0   # K not whole blocks
+    with pytest.raises(RuntimeError, match="compact panels do not match"):
+        load_kernel().gemv_linear(torch.randn(2, 64), pack(weight))
+
+
+def test_hybrid_linear_takes_compact_panels_for_short_steps_only():
+    gen = torch.Generator().manual_seed(3)
+    weight = q4_1_weight(gen, 64, 128)
+    layers = {}
+    for compact in (False, True):
+        layers[compact] = Linear(128, 64)
+        layers[compact].weight.data.copy_(weight)
+        layers[compact].prepack(gemv=True, compact=compact)
+    assert layers[False].gemv_compact is None
+    assert layers[True].gemv_compact.dtype == torch.uint8
+    limit = GEMV_COMPACT_MAX_ROWS[torch.uint8]
+    assert layers[True].small_step_panels(limit) is layers[True].gemv_compact
+    assert layers[True].small_step_panels(limit + 1) is layers[True].gemv_weight
+    for rows in (1, 3, limit, limit + 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5):
+        x = torch.randn(rows, 128, generator=gen)
+        assert torch.equal(layers[True](x), layers[False](x)), rows
+        torch.testing.assert_close(layers[True](x), F.linear(x, weight), rtol=1e-4, atol=1e-4)

@@ -47,6 +47,9 @@ def fast_path_active(llm) -> bool:
             and model.lm_head.packed_weight is not None
             and (layer.mlp.gate_up_proj.gemv_weight is not None) == gemv
             and (model.lm_head.gemv_weight is not None) == gemv
+            # the default model is Q4_1 with a Q8_0 embedding (the tied lm_head)
+            and (layer.mlp.gate_up_proj.gemv_compact is not None) == gemv
+            and (model.lm_head.gemv_compact is not None) == gemv
             and (layer.input_layernorm.kernel is not None) == fused
             and (layer.mlp.act.kernel is not None) == fused
             and (model.model.rotary.kernel is not None) == fused
@@ -100,6 +103,25 @@ def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch):
     assert_kv_clean(llm)
 
 
+def test_compact_panels_leave_tokens_and_logprobs_bitwise_unchanged(make_llm):
+    """The default model's weights are Q4_1/Q8_0 values: steps of up to 8-10 tokens stream
+    them as compact panels. Batches of 1 to 12 requests (both sides of the switch) give the
+    same tokens and logprobs, to the bit, as with fp32 panels only."""
+    params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=2)
+              for i in range(12)]
+    prompts = (PROMPTS * 2)[:12]
+    runs = {}
+    for compact in (True, False):
+        llm = make_llm(compact_panels=compact, prefix_cache=False)
+        lm_head = llm.engine.core.worker.runner.model.lm_head
+        assert (lm_head.gemv_compact is not None) == (compact and load_gemv_kernel() is not None)
+        runs[compact] = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                         for o in [llm.generate(prompts[:1], params[0])[0],
+                                   *llm.generate(prompts, params)]]
+        assert_kv_clean(llm)
+    assert runs[True] == runs[False]
+
+
 def test_decode_loop_rejects_bad_steps_before_touching_the_cache(llm):
     """The C++ loop checks its inputs up front: an out-of-range slot or a missing layer's
     cache is a clear error, not a write outside the cache, and the cache is left as it was."""
@@ -118,7 +140,7 @@ def test_decode_loop_rejects_bad_steps_before_touching_the_cache(llm):
     table, lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
 
     def step(slot: int, caches: list):
-        return plan.loop.decode_layers(hidden, plan.weights, caches, cos, sin,
+        return plan.loop.decode_layers(hidden, plan.weights(1), caches, cos, sin,
                                        torch.tensor([slot]), table, lens, plan.eps, plan.heads,
                                        plan.kv_heads, plan.scale, -1, plan.entry_points)
 

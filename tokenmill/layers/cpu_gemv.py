@@ -1,5 +1,9 @@
 """Small-M fp32 linear kernel for CPU (decode-sized steps); see cpu_gemv_kernel.cpp.
 
+Weights that are exactly Q4_1 or Q8_0 values (as a GGUF model of those types loads) can also
+stream as compact panels, which the kernel rebuilds as the same fp32 values: bitwise the same
+output for a fifth (Q4_1) or a quarter (Q8_0) of the bytes.
+
 SmolLM2's 120 layer GEMMs (distinct weights, so they stream from memory), best of several
 runs, oneDNN's packed GEMM -> this kernel: M = 1: 20 -> 14 ms (memory bandwidth); M = 8:
 30 -> 22 ms; M = 16: 46 -> 30 ms; M = 32: 68 -> 50 ms; M = 64: 133 -> 110 ms; M = 128:
@@ -15,11 +19,21 @@ import torch
 from tokenmill.kernels.cpp_build import ENTRY_POINTS, CpuExtension
 
 GEMV_MAX_ROWS = 128   # the kernel takes steps of at most this many tokens
+# Compact panels (gemv_blocks.h) take steps of at most this many tokens, by their dtype; above
+# it the FMAs bound both kinds and the compact ones pay for rebuilding the weights. Streamed
+# from memory, fp32 -> compact panels:
+# - SmolLM2's 210 layer linears (Q4_1): M = 1: 13.3 -> 5.1 ms; M = 2: 13.7 -> 6.6; M = 4:
+#   16.0 -> 8.1; M = 8: 17.7 -> 15.6; M = 10: 18.5-20.5 -> 17.5-18.6; M = 12 even.
+# - its lm_head (Q8_0): M = 1: 4.0 -> 1.4 ms; M = 4: 4.5 -> 2.5; M = 8: 5.3 -> 4.4; M = 10:
+#   4.5 -> 5.2.
+GEMV_COMPACT_MAX_ROWS = {torch.uint8: 10, torch.int8: 8}
 PANEL = 16            # out_features must be a multiple of this
 
+BLOCK_FORMATS = Path(__file__).with_name("gemv_blocks.h")   # the compact panels
 KERNEL = CpuExtension("tokenmill_cpu_gemv", Path(__file__).with_name("cpu_gemv_kernel.cpp"),
-                      ["pack_gemv_weight", "gemv_linear", "entry_points"], "cpu_gemv linear kernel",
-                      "oneDNN at every batch size", headers=(ENTRY_POINTS,))
+                      ["pack_gemv_weight", "pack_gemv_q4", "pack_gemv_q8", "gemv_linear",
+                       "entry_points"], "cpu_gemv linear kernel",
+                      "oneDNN at every batch size", headers=(ENTRY_POINTS, BLOCK_FORMATS))
 load_kernel = KERNEL.load
 
 

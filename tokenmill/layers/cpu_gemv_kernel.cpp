@@ -11,6 +11,10 @@
 // Up to 6 rows a tile spans several panels instead (one_row_group), so the step is bound by
 // the weights' stream; from M = 24 up it runs at 75-90% of the FMA peak, above oneDNN's packed
 // GEMM up to M = 256 on SmolLM2's shapes. Threads split the panels.
+//
+// Compact panels (layers/gemv_blocks.h): weights that are exactly GGUF Q4_1 or Q8_0 values
+// also stream in their blocks, a fifth or a quarter of the bytes, and are rebuilt in
+// registers as the same fp32 numbers; the output is bitwise that of the fp32 panels.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -24,6 +28,7 @@ constexpr int64_t kShortBlockK = 64;      // k steps per pass over a panel slice
 constexpr int64_t kShortBlockGroups = 6;  // ...for up to this many row groups
 constexpr int64_t kLongBlockK = 256;      // k steps per pass for more row groups
 constexpr int64_t kPrefetch = 32;  // k steps ahead to prefetch the panel (2 KB)
+static_assert(kPanel == gemv_blocks::kCols, "compact panels have the fp32 panels' width");
 
 torch::Tensor pack_gemv_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32,
@@ -31,6 +36,13 @@ torch::Tensor pack_gemv_weight(torch::Tensor weight) {
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(n % kPanel == 0, "pack_gemv_weight: out_features must be a multiple of 16");
   return weight.contiguous().view({n / kPanel, kPanel, k}).transpose(1, 2).contiguous();
+}
+
+torch::Tensor pack_gemv_q4(torch::Tensor weight) {
+  return gemv_blocks::pack<gemv_blocks::Q4_1>(weight);
+}
+torch::Tensor pack_gemv_q8(torch::Tensor weight) {
+  return gemv_blocks::pack<gemv_blocks::Q8_0>(weight);
 }
 
 // y[R, 16 P] (+)= x[R, k_len] @ P panels [k_len, 16] (`panel_stride` floats apart). Each output
@@ -64,6 +76,41 @@ static void tile(const float* x, int64_t ldx, const float* panel, int64_t panel_
         const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
         lo[r][p] = _mm256_fmadd_ps(xv, w_lo, lo[r][p]);
         hi[r][p] = _mm256_fmadd_ps(xv, w_hi, hi[r][p]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      _mm256_storeu_ps(y + r * ldy + p * kPanel, lo[r][p]);
+      _mm256_storeu_ps(y + r * ldy + p * kPanel + 8, hi[r][p]);
+    }
+}
+
+// tile() over P compact panels of format F (`panel_stride` bytes apart) for a whole k range
+// (k_len a multiple of 32): the same FMAs in the same order on the same weight values.
+template <typename F, int R, int P>
+static void block_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t panel_stride,
+                       int64_t k_len, float* y, int64_t ldy) {
+  __m256 lo[R][P], hi[R][P];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) lo[r][p] = hi[r][p] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < k_len; k0 += gemv_blocks::kSteps) {
+    const uint8_t* block = panel + (k0 / gemv_blocks::kSteps) * F::kBlockBytes;
+    for (int64_t kk = 0; kk < gemv_blocks::kSteps; ++kk) {
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        __m256 w_lo, w_hi;
+        F::expand(block + p * panel_stride, kk, w_lo, w_hi);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k0 + kk);
+          lo[r][p] = _mm256_fmadd_ps(xv, w_lo, lo[r][p]);
+          hi[r][p] = _mm256_fmadd_ps(xv, w_hi, hi[r][p]);
+        }
       }
     }
   }
@@ -126,6 +173,33 @@ static void one_row_group(const float* x, int64_t k_total, const float* panels, 
                       false);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+template <typename F, int R>
+static void block_row_group(const float* x, int64_t k_total, const uint8_t* panels,
+                            int64_t count, float* y, int64_t ldy) {
+  constexpr int kSide = R == 1 ? 4 : R <= 3 ? 2 : 1;   // as one_row_group
+  const int64_t stride = k_total / gemv_blocks::kSteps * F::kBlockBytes;
+  int64_t p = 0;
+  for (; p + kSide <= count; p += kSide)
+    block_tile<F, R, kSide>(x, k_total, panels + p * stride, stride, k_total, y + p * kPanel, ldy);
+  for (; p < count; ++p)
+    block_tile<F, R, 1>(x, k_total, panels + p * stride, stride, k_total, y + p * kPanel, ldy);
+}
+
+template <typename F>
+static void block_row_group(int64_t m, const float* x, int64_t k_total, const uint8_t* panels,
+                            int64_t count, float* y, int64_t ldy) {
+  switch (m) {
+    case 6: block_row_group<F, 6>(x, k_total, panels, count, y, ldy); break;
+    case 5: block_row_group<F, 5>(x, k_total, panels, count, y, ldy); break;
+    case 4: block_row_group<F, 4>(x, k_total, panels, count, y, ldy); break;
+    case 3: block_row_group<F, 3>(x, k_total, panels, count, y, ldy); break;
+    case 2: block_row_group<F, 2>(x, k_total, panels, count, y, ldy); break;
+    default: block_row_group<F, 1>(x, k_total, panels, count, y, ldy); break;
+  }
+}
+#endif
+
 static void one_row_group(int64_t m, const float* x, int64_t k_total, const float* panels,
                           int64_t count, float* y, int64_t ldy) {
   switch (m) {
@@ -157,17 +231,68 @@ static void panel_rows(int64_t m, const float* x, int64_t k_total, const float* 
   }
 }
 
+// Compact panels: rows in groups of at most 6 (as panel_rows), each group's tiles rebuilding
+// the weights in registers from the whole panel, which stays in L2 for the next group. Meant
+// for few rows: from about 12 rows the fp32 panels, bound by the FMAs, are as fast.
+template <typename F>
+static void block_gemv(int64_t m, const float* x, int64_t k_len, const uint8_t* wp,
+                       int64_t panels, float* y, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t stride = k_len / gemv_blocks::kSteps * F::kBlockBytes;
+  const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
+  const int64_t base = m / groups, extra = m % groups;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    if (groups == 1) {
+      block_row_group<F>(m, x, k_len, wp + begin * stride, end - begin, y + begin * kPanel, n);
+      return;
+    }
+    for (int64_t p = begin; p < end; ++p) {
+      int64_t row = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t rows = base + (g < extra ? 1 : 0);
+        block_row_group<F>(rows, x + row * k_len, k_len, wp + p * stride, 1,
+                           y + row * n + p * kPanel, n);
+        row += rows;
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "gemv_linear: compact panels need AVX2");
+#endif
+}
+
+template <typename F>
+static bool matches(const torch::Tensor& packed, int64_t k_len) {
+  return packed.dim() == 2 && packed.is_contiguous() && k_len % gemv_blocks::kSteps == 0 &&
+         packed.size(1) == k_len / gemv_blocks::kSteps * F::kBlockBytes;
+}
+
 torch::Tensor gemv_linear(torch::Tensor x, torch::Tensor packed) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
               "gemv_linear: x must be contiguous 2-D float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == kPanel,
-              "gemv_linear: packed weight does not match x");
   const int64_t m = x.size(0), k_len = x.size(1), panels = packed.size(0), n = panels * kPanel;
+  const auto kind = packed.scalar_type();   // uint8: Q4_1 panels, int8: Q8_0, float: fp32
+  if (kind == torch::kUInt8 || kind == torch::kInt8) {
+    TORCH_CHECK(kind == torch::kUInt8 ? matches<gemv_blocks::Q4_1>(packed, k_len)
+                                      : matches<gemv_blocks::Q8_0>(packed, k_len),
+                "gemv_linear: compact panels do not match x");
+  } else {
+    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == kPanel,
+                "gemv_linear: packed weight does not match x");
+  }
   auto y = torch::empty({m, n}, x.options());
   if (m == 0 || k_len == 0) return y.zero_();
   const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (kind == torch::kUInt8 || kind == torch::kInt8) {
+    const auto* wp = static_cast<const uint8_t*>(packed.data_ptr());
+    if (kind == torch::kUInt8)
+      block_gemv<gemv_blocks::Q4_1>(m, xp, k_len, wp, panels, yp, n);
+    else
+      block_gemv<gemv_blocks::Q8_0>(m, xp, k_len, wp, panels, yp, n);
+    return y;
+  }
+  const float* wp = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     if (m <= kMaxRows) {
       one_row_group(m, xp, k_len, wp + begin * k_len * kPanel, end - begin, yp + begin * kPanel, n);

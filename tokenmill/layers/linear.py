@@ -9,7 +9,9 @@ Two ways to run them (`linear_backend`):
 - "hybrid": "onednn", plus our AVX2 kernel (layers/cpu_gemv.py) for steps of at most 128
   tokens, where it is faster than oneDNN (it streams the weights at memory bandwidth at M = 1
   and runs near the FMA peak from M = 16). It keeps a second copy of each weight in the
-  kernel's panel layout: twice the weight memory for the linear layers.
+  kernel's panel layout: twice the weight memory for the linear layers. Weights that are
+  exactly Q4_1 values (as a Q4_1 GGUF loads) also get 4-bit panels for steps of at most
+  GEMV_COMPACT_MAX_ROWS tokens: the same fp32 values and output, a fifth of the bytes to stream.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.huge_pages import to_huge_pages
-from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS, gemv_supported
+from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS, GEMV_COMPACT_MAX_ROWS, gemv_supported
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "hybrid")
@@ -63,23 +65,35 @@ class Linear(nn.Module):
                      if bias else None)
         self.packed_weight: torch.Tensor | None = None   # oneDNN layout, set by prepack()
         self.gemv_weight: torch.Tensor | None = None     # cpu_gemv panels, set by prepack()
+        self.gemv_compact: torch.Tensor | None = None    # the same in Q4_1/Q8_0 blocks, if exact
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         if self.gemv_weight is not None and x.shape[0] <= GEMV_MAX_ROWS:
-            out = load_gemv_kernel().gemv_linear(x.contiguous(), self.gemv_weight)
+            panels = self.small_step_panels(x.shape[0])
+            out = load_gemv_kernel().gemv_linear(x.contiguous(), panels)
             return out if self.bias is None else out.add_(self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight,
                                                       self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def prepack(self, gemv: bool = False) -> None:
+    def small_step_panels(self, num_tokens: int) -> torch.Tensor | None:
+        """The cpu_gemv panels for a step of `num_tokens` (compact ones for the fewest)."""
+        compact = self.gemv_compact
+        if compact is not None and num_tokens <= GEMV_COMPACT_MAX_ROWS[compact.dtype]:
+            return compact
+        return self.gemv_weight
+
+    def prepack(self, gemv: bool = False, compact: bool = False) -> None:
         """Reorder the loaded weight for oneDNN (and, with `gemv`, into the small-M kernel's
-        panels where its shape allows) and drop the plain copy; a weight shared with another
+        panels where its shape allows; with `compact` as well, Q4_1 or Q8_0 panels where they
+        rebuild every weight exactly) and drop the plain copy; a weight shared with another
         module (a tied lm_head) lives on there."""
         if gemv and gemv_supported(self.weight):   # streamed whole every decode step
-            self.gemv_weight = to_huge_pages(
-                load_gemv_kernel().pack_gemv_weight(self.weight.detach()))
+            kernel = load_gemv_kernel()
+            self.gemv_weight = to_huge_pages(kernel.pack_gemv_weight(self.weight.detach()))
+            if compact:
+                self.gemv_compact = _compact_panels(kernel, self.weight.detach())
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                      _ONEDNN_BATCH_HINT)
         del self.weight
@@ -109,10 +123,21 @@ class MergedLinear(Linear):
         return out.split(self.part_sizes, dim=-1)
 
 
-def prepack_linears(model: nn.Module, gemv: bool = False) -> int:
+def _compact_panels(kernel, weight: torch.Tensor) -> torch.Tensor | None:
+    """Q4_1 panels, else Q8_0 ones, if either rebuilds every weight exactly (the packers
+    return an empty tensor when not)."""
+    for pack in (kernel.pack_gemv_q4, kernel.pack_gemv_q8):
+        packed = pack(weight)
+        if packed.numel():
+            return to_huge_pages(packed)
+    return None
+
+
+def prepack_linears(model: nn.Module, gemv: bool = False, compact: bool = False) -> int:
     """Switch every Linear in `model` to the oneDNN path (and with `gemv`, the small-M kernel
-    for short steps); returns how many were packed."""
+    for short steps; `compact`: its compact panels where exact); returns how many were
+    packed."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     for module in linears:
-        module.prepack(gemv)
+        module.prepack(gemv, compact)
     return len(linears)

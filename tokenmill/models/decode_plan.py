@@ -25,6 +25,7 @@ from tokenmill.attention.metadata import AttentionMetadata, ForwardContext
 from tokenmill.kernels.cpp_build import ENTRY_POINTS, CpuExtension
 from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
+from tokenmill.layers.linear import Linear
 from tokenmill.layers.rotary import RopeTables
 
 LOOP = CpuExtension("tokenmill_decode_plan", Path(__file__).with_name("decode_plan_kernel.cpp"),
@@ -32,22 +33,30 @@ LOOP = CpuExtension("tokenmill_decode_plan", Path(__file__).with_name("decode_pl
                     headers=(ENTRY_POINTS,))
 
 
-class _LayerWeights(NamedTuple):
+class _Layer(NamedTuple):
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: torch.Tensor            # cpu_gemv panels of each linear (only q|k|v has a bias)
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    qkv: Linear                  # each linear gives its cpu_gemv panels for the step's size
+    qkv_bias: torch.Tensor | None   # only q|k|v has a bias
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+    def weights(self, num_tokens: int) -> list[torch.Tensor]:
+        """The 7 tensors decode_layers takes for this layer (no bias: an empty tensor)."""
+        bias = self.qkv_bias if self.qkv_bias is not None else torch.empty(0)
+        return [self.input_norm, self.post_norm, self.qkv.small_step_panels(num_tokens), bias,
+                *(m.small_step_panels(num_tokens) for m in (self.o, self.gate_up, self.down))]
 
 
 class DecodePlan:
-    def __init__(self, layers: list[_LayerWeights], eps: float, heads: int, kv_heads: int,
+    def __init__(self, layers: list[_Layer], eps: float, heads: int, kv_heads: int,
                  scale: float, loop: ModuleType, kernel_entry_points: list[object]) -> None:
+        self.layers = layers
         self.num_layers = len(layers)
-        # one flat list, 7 per layer, as decode_layers takes them (no bias: an empty tensor)
-        self.weights = [t if t is not None else torch.empty(0) for w in layers for t in w]
+        # decode_layers takes one flat list, 7 per layer; the linears' panels depend on the
+        # step's size (compact ones for the fewest tokens), so one list per size, made once
+        self._weights_by_size: dict[int, list[torch.Tensor]] = {}
         self.eps, self.heads, self.kv_heads, self.scale = eps, heads, kv_heads, scale
         self.loop, self.entry_points = loop, kernel_entry_points
 
@@ -56,18 +65,17 @@ class DecodePlan:
         """The plan for `layers` (LlamaDecoderLayer), or None unless every part of them runs
         on the CPU kernels: cpu_fused norms and rotary, cpu_gemv linears ("hybrid"), the
         cpu_paged attention kernel, and the C++ loop over them builds."""
-        weights = []
+        plan_layers = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = tuple(m.gemv_weight for m in (attn.qkv_proj, attn.o_proj,
-                                                    mlp.gate_up_proj, mlp.down_proj))
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             fused = (layer.input_layernorm.kernel, layer.post_attention_layernorm.kernel,
                      mlp.act.kernel)
-            if (any(p is None for p in linears) or any(k is None for k in fused)
+            if (any(m.gemv_weight is None for m in linears) or any(k is None for k in fused)
                     or not isinstance(attn.backend, CpuPagedBackend)
                     or attn.backend.kernel is None):
                 return None
-            weights.append(_LayerWeights(
+            plan_layers.append(_Layer(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                 linears[0], attn.qkv_proj.bias, *linears[1:]))
         loop = LOOP.load()
@@ -76,8 +84,15 @@ class DecodePlan:
         first = layers[0]
         attn = first.self_attn
         kernels = (first.input_layernorm.kernel, load_gemv_kernel(), attn.backend.kernel)
-        return cls(weights, first.input_layernorm.eps, attn.num_heads, attn.num_kv_heads,
+        return cls(plan_layers, first.input_layernorm.eps, attn.num_heads, attn.num_kv_heads,
                    attn.backend.scale, loop, [e for k in kernels for e in k.entry_points()])
+
+    def weights(self, num_tokens: int) -> list[torch.Tensor]:
+        weights = self._weights_by_size.get(num_tokens)
+        if weights is None:
+            weights = [t for layer in self.layers for t in layer.weights(num_tokens)]
+            self._weights_by_size[num_tokens] = weights
+        return weights
 
     def accepts(self, num_tokens: int, rope: RopeTables, ctx: ForwardContext) -> bool:
         """A decode-only step the kernels take: at most GEMV_MAX_ROWS tokens, fp32 caches and
@@ -96,7 +111,7 @@ class DecodePlan:
         window = -1 if meta.sliding_window is None else meta.sliding_window
         caches = [c for kv in ctx.kv_caches[:self.num_layers] for c in kv]
         hidden, residual = self.loop.decode_layers(
-            hidden, self.weights, caches, rope.cos.view(n, dim), rope.sin.view(n, dim),
+            hidden, self.weights(n), caches, rope.cos.view(n, dim), rope.sin.view(n, dim),
             meta.slot_mapping, meta.decode_block_table, meta.decode_seq_lens, self.eps,
             self.heads, self.kv_heads, self.scale, window, self.entry_points)
         return hidden, residual

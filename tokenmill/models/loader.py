@@ -38,13 +38,13 @@ def resolve_max_model_len(spec: ModelSpec, requested: int | None) -> int:
 
 def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
                max_model_len: int | None, attention_backend: str = "auto",
-               linear_backend: str = "auto", elementwise_backend: str = "auto"
-               ) -> tuple[nn.Module, ModelSpec, int]:
+               linear_backend: str = "auto", elementwise_backend: str = "auto",
+               compact_panels: bool = True) -> tuple[nn.Module, ModelSpec, int]:
     """Build the model for `path` (kind "gguf" or "hf") with weights in `dtype` on `device`.
 
     The backends are names from attention/registry.py, layers/linear.py and layers/cpu_fused.py
     ("auto" picks the fastest that runs here); "onednn" linears are packed once the weights
-    are in.
+    are in, and "hybrid" ones with `compact_panels` also get Q4_1/Q8_0 panels where exact.
 
     Returns the model, its spec and the resolved max_model_len.
     """
@@ -68,7 +68,7 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
     model.load_weights((name, w.to(device)) for name, w in weights)
     linear = resolve_linear_backend(linear_backend, device, dtype)
     if linear in ("onednn", "hybrid"):
-        prepack_linears(model, gemv=linear == "hybrid")
+        prepack_linears(model, gemv=linear == "hybrid", compact=compact_panels)
     if resolve_elementwise_backend(elementwise_backend, device, dtype) == "cpu_fused":
         enable_fused_elementwise(model)
     model.build_decode_plan()

@@ -48,7 +48,7 @@ class Worker:
         model, self.spec, self.max_model_len = load_model(
             kind, path, self.dtype, self.device, model_config.max_model_len,
             model_config.attention_backend, model_config.linear_backend,
-            model_config.elementwise_backend)
+            model_config.elementwise_backend, model_config.compact_panels)
         # The tokenizer's EOS and the model's (generation config / GGUF) all end a request.
         self.eos_token_ids = frozenset(eos_token_ids) | frozenset(self.spec.eos_token_ids)
         self.runner = ModelRunner(model, self.spec, cache_config.block_size, self.device,

@@ -1,0 +1,175 @@
+// Compact panels for the small-M linear (layers/cpu_gemv_kernel.cpp): weights that are exactly
+// GGUF block-quantized values, kept in their blocks and rebuilt as the same fp32 numbers.
+//
+// A model loaded from a Q4_1 or Q8_0 GGUF file holds, as fp32, w = (d * q) + m (Q4_1: q in
+// 0..15, one d and m per 32 inputs of a row, each operation rounded) or w = d * q (Q8_0: q in
+// -127..127). Such a weight packs into panels of 16 output columns that store, per block of
+// 32 k steps, the 16 columns' scales as fp32 and then their levels for each k step. The packer
+// recovers every block's scales and levels and checks that each weight rebuilds bit for bit;
+// if one does not, it returns an empty tensor and the caller keeps the fp32 panels. The
+// kernel rebuilds the 16 weights of a k step in two registers with the same roundings, so its
+// output is bitwise that of the fp32 panels, for 0.75 (Q4_1) or 1.125 (Q8_0) bytes a weight
+// instead of 4.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace gemv_blocks {
+
+constexpr int64_t kCols = 16;    // output columns per panel
+constexpr int64_t kSteps = 32;   // k steps per block of scales
+
+inline bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
+
+// The candidates for a block's step d, nearest to `base` first (base, +1 ulp, -1 ulp, ...):
+// the stored d rebuilt the extreme weight through one or two roundings, so it is a few ulps
+// from what that weight implies.
+inline float candidate(float base, int index) {
+  float value = base;
+  for (int s = 0; s < (index + 1) / 2; ++s)
+    value = std::nextafter(value, index % 2 ? INFINITY : -INFINITY);
+  return value;
+}
+constexpr int kCandidates = 17;
+
+// w = (d * q) + m, q in 0..15. Block: d[16], m[16] (fp32), then per k step 8 bytes whose low
+// nibbles are columns 0-7 and high nibbles columns 8-15.
+struct Q4_1 {
+  static constexpr int64_t kScaleBytes = 2 * kCols * 4;
+  static constexpr int64_t kBlockBytes = kScaleBytes + kSteps * kCols / 2;   // 384
+  static constexpr auto kDtype = torch::kUInt8;
+
+  // One row's 32 weights -> scales {d, m} and levels, or false. m is the minimum (q = 0).
+  static bool fit(const float* w, float* scales, int* q) {
+    float lo = w[0], hi = w[0];
+    for (int i = 1; i < kSteps; ++i) lo = std::min(lo, w[i]), hi = std::max(hi, w[i]);
+    const float base = (hi - lo) / 15.f;
+    for (int c = 0; c < (base > 0.f ? kCandidates : 1); ++c) {
+      const float d = candidate(base, c);
+      bool ok = std::isfinite(d) && d >= 0.f;
+      for (int i = 0; ok && i < kSteps; ++i) {
+        const float level = d > 0.f ? std::nearbyint((w[i] - lo) / d) : 0.f;
+        float product = d * level;
+        __asm__("" : "+x"(product));   // two roundings, never a fused multiply-add
+        ok = level >= 0.f && level <= 15.f && same_bits(product + lo, w[i]);
+        q[i] = static_cast<int>(level);
+      }
+      if (ok) {
+        scales[0] = d, scales[1] = lo;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  static void store(uint8_t* block, int64_t col, const float* scales, const int* q) {
+    reinterpret_cast<float*>(block)[col] = scales[0];
+    reinterpret_cast<float*>(block)[kCols + col] = scales[1];
+    for (int64_t i = 0; i < kSteps; ++i)
+      block[kScaleBytes + i * kCols / 2 + col % 8] |=
+          static_cast<uint8_t>(q[i] << (col < 8 ? 0 : 4));
+  }
+
+#if defined(__AVX2__) && defined(__FMA__)
+  // The 16 weights of step kk (columns 0-7 in lo, 8-15 in hi).
+  static inline void expand(const uint8_t* block, int64_t kk, __m256& lo, __m256& hi) {
+    const float* scale = reinterpret_cast<const float*>(block);
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols / 2)));
+    __m256 p_lo = _mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15))), _mm256_loadu_ps(scale));
+    __m256 p_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)),
+                                _mm256_loadu_ps(scale + 8));
+    __asm__("" : "+x"(p_lo), "+x"(p_hi));   // keep both roundings
+    lo = _mm256_add_ps(p_lo, _mm256_loadu_ps(scale + kCols));
+    hi = _mm256_add_ps(p_hi, _mm256_loadu_ps(scale + kCols + 8));
+  }
+#endif
+};
+
+// w = d * q, q in -127..127. Block: d[16] (fp32), then per k step 16 signed bytes (columns).
+struct Q8_0 {
+  static constexpr int64_t kScaleBytes = kCols * 4;
+  static constexpr int64_t kBlockBytes = kScaleBytes + kSteps * kCols;   // 576
+  static constexpr auto kDtype = torch::kInt8;
+
+  static bool fit(const float* w, float* scales, int* q) {
+    float amax = 0.f;
+    for (int i = 0; i < kSteps; ++i) amax = std::max(amax, std::fabs(w[i]));
+    const float base = amax / 127.f;
+    for (int c = 0; c < (base > 0.f ? kCandidates : 1); ++c) {
+      const float d = candidate(base, c);
+      bool ok = std::isfinite(d) && d >= 0.f;
+      for (int i = 0; ok && i < kSteps; ++i) {
+        const float level = d > 0.f ? std::nearbyint(w[i] / d) : 0.f;
+        ok = level >= -128.f && level <= 127.f && same_bits(d * level, w[i]);
+        q[i] = static_cast<int>(level);
+      }
+      if (ok) {
+        scales[0] = d;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  static void store(uint8_t* block, int64_t col, const float* scales, const int* q) {
+    reinterpret_cast<float*>(block)[col] = scales[0];
+    for (int64_t i = 0; i < kSteps; ++i)
+      reinterpret_cast<int8_t*>(block + kScaleBytes)[i * kCols + col] = static_cast<int8_t>(q[i]);
+  }
+
+#if defined(__AVX2__) && defined(__FMA__)
+  static inline void expand(const uint8_t* block, int64_t kk, __m256& lo, __m256& hi) {
+    const float* scale = reinterpret_cast<const float*>(block);
+    const __m128i bytes =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols));
+    lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_loadu_ps(scale));
+    hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))),
+                       _mm256_loadu_ps(scale + 8));
+  }
+#endif
+};
+
+// [N/16, K/32 * kBlockBytes] panels of a [N, K] float32 weight in format F, or an empty tensor
+// when some weight is not exactly an F value (or the shape or the CPU does not allow them).
+template <typename F>
+torch::Tensor pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32,
+              "pack_gemv_blocks: a 2-D float32 weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  auto none = torch::empty({0}, F::kDtype);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % kCols != 0 || k % kSteps != 0 || k == 0) return none;
+  auto w = weight.contiguous();
+  const int64_t blocks = k / kSteps;
+  auto packed = torch::zeros({n / kCols, blocks * F::kBlockBytes}, F::kDtype);
+  const float* wp = w.data_ptr<float>();
+  auto* out = static_cast<uint8_t*>(packed.data_ptr());
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, n, kCols, [&](int64_t begin, int64_t end) {
+    float scales[2];
+    int q[kSteps];
+    for (int64_t row = begin; row < end && exact; ++row)
+      for (int64_t b = 0; b < blocks; ++b) {
+        if (!F::fit(wp + row * k + b * kSteps, scales, q)) {
+          exact = false;
+          return;
+        }
+        F::store(out + (row / kCols * blocks + b) * F::kBlockBytes, row % kCols, scales, q);
+      }
+  });
+  return exact ? packed : none;
+#else
+  return none;
+#endif
+}
+
+}  // namespace gemv_blocks

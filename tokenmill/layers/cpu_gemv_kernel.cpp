@@ -50,6 +50,33 @@ torch::Tensor pack_gemv_q8(torch::Tensor weight) {
 // the rows beside it. The r and p loops are unrolled by pragma: without it GCC keeps the
 // accumulator arrays in memory and stores all of them every k step (a third of the FMA rate).
 #if defined(__AVX2__) && defined(__FMA__)
+// One k step of a tile: x[r][k] (x points at column k, rows ldx apart) times panel p's 16
+// weights, into that panel's accumulators of every row.
+template <int R, int P>
+__attribute__((always_inline)) inline void fma_rows(__m256 (&lo)[R][P], __m256 (&hi)[R][P],
+                                                    int p, const float* x, int64_t ldx,
+                                                    __m256 w_lo, __m256 w_hi) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m256 xv = _mm256_broadcast_ss(x + r * ldx);
+    lo[r][p] = _mm256_fmadd_ps(xv, w_lo, lo[r][p]);
+    hi[r][p] = _mm256_fmadd_ps(xv, w_hi, hi[r][p]);
+  }
+}
+
+template <int R, int P>
+__attribute__((always_inline)) inline void store_tile(const __m256 (&lo)[R][P],
+                                                      const __m256 (&hi)[R][P], float* y,
+                                                      int64_t ldy) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      _mm256_storeu_ps(y + r * ldy + p * kPanel, lo[r][p]);
+      _mm256_storeu_ps(y + r * ldy + p * kPanel + 8, hi[r][p]);
+    }
+}
+
 template <int R, int P, bool Prefetch>
 static void tile(const float* x, int64_t ldx, const float* panel, int64_t panel_stride,
                  int64_t k_len, float* y, int64_t ldy, bool accumulate) {
@@ -71,21 +98,10 @@ static void tile(const float* x, int64_t ldx, const float* panel, int64_t panel_
       // Without this GCC folds the two loads into every FMA: 2R + R loads per 2R FMAs, which
       // made the load ports, not the FMAs, the limit (4 rows: 11 -> 8.5 ms in cache).
       if (R > 1) __asm__("" : "+x"(w_lo), "+x"(w_hi));
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
-        lo[r][p] = _mm256_fmadd_ps(xv, w_lo, lo[r][p]);
-        hi[r][p] = _mm256_fmadd_ps(xv, w_hi, hi[r][p]);
-      }
+      fma_rows<R, P>(lo, hi, p, x + k, ldx, w_lo, w_hi);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int p = 0; p < P; ++p) {
-      _mm256_storeu_ps(y + r * ldy + p * kPanel, lo[r][p]);
-      _mm256_storeu_ps(y + r * ldy + p * kPanel + 8, hi[r][p]);
-    }
+  store_tile<R, P>(lo, hi, y, ldy);
 }
 
 // tile() over P compact panels of format F (`panel_stride` bytes apart) for a whole k range
@@ -105,22 +121,11 @@ static void block_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_
       for (int p = 0; p < P; ++p) {
         __m256 w_lo, w_hi;
         F::expand(block + p * panel_stride, kk, w_lo, w_hi);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k0 + kk);
-          lo[r][p] = _mm256_fmadd_ps(xv, w_lo, lo[r][p]);
-          hi[r][p] = _mm256_fmadd_ps(xv, w_hi, hi[r][p]);
-        }
+        fma_rows<R, P>(lo, hi, p, x + k0 + kk, ldx, w_lo, w_hi);
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int p = 0; p < P; ++p) {
-      _mm256_storeu_ps(y + r * ldy + p * kPanel, lo[r][p]);
-      _mm256_storeu_ps(y + r * ldy + p * kPanel + 8, hi[r][p]);
-    }
+  store_tile<R, P>(lo, hi, y, ldy);
 }
 #else
 template <int R, int P, bool Prefetch>

@@ -10,8 +10,9 @@ Two ways to run them (`linear_backend`):
   tokens, where it is faster than oneDNN (it streams the weights at memory bandwidth at M = 1
   and runs near the FMA peak from M = 16). It keeps a second copy of each weight in the
   kernel's panel layout: twice the weight memory for the linear layers. Weights that are
-  exactly Q4_1 values (as a Q4_1 GGUF loads) also get 4-bit panels for steps of at most
-  GEMV_COMPACT_MAX_ROWS tokens: the same fp32 values and output, a fifth of the bytes to stream.
+  exactly Q4_1 or Q8_0 values (as such a GGUF loads) also get compact panels for steps of at
+  most GEMV_COMPACT_MAX_ROWS tokens: the same fp32 values and output, for a fifth (Q4_1) or a
+  quarter (Q8_0) of the bytes to stream.
 """
 
 from __future__ import annotations

@@ -146,28 +146,50 @@ static void tile(const float* x, int64_t ldx, const float* panel, int64_t panel_
 }
 #endif
 
+// Runs fn.template operator()<R>() with R = rows (1..kMaxRows) as a compile-time count.
+template <typename Fn>
+static void with_rows(int64_t rows, Fn&& fn) {
+  switch (rows) {
+    case 6: fn.template operator()<6>(); break;
+    case 5: fn.template operator()<5>(); break;
+    case 4: fn.template operator()<4>(); break;
+    case 3: fn.template operator()<3>(); break;
+    case 2: fn.template operator()<2>(); break;
+    default: fn.template operator()<1>(); break;
+  }
+}
+static_assert(kMaxRows == 6, "with_rows covers 1..kMaxRows");
+
+// m rows split into groups of at most kMaxRows, of equal size (8 rows: 4 + 4, not 6 + 2),
+// since a tile of few rows has too few accumulators to hide the FMA latency.
+struct RowGroups {
+  int64_t count, base, extra;
+  explicit RowGroups(int64_t m)
+      : count(std::max<int64_t>(1, (m + kMaxRows - 1) / kMaxRows)), base(m / count),
+        extra(m % count) {}
+  int64_t size(int64_t g) const { return base + (g < extra ? 1 : 0); }
+};
+
+// Panels side by side in a tile of R rows, so that it has enough independent accumulators to
+// hide the FMA latency (one row against one panel has two).
+constexpr int side_panels(int rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
+
 template <bool Prefetch>
 static void row_tile(int64_t rows, const float* x, int64_t ldx, const float* panel,
                      int64_t k_len, float* y, int64_t ldy, bool accumulate) {
-  switch (rows) {
-    case 6: tile<6, 1, Prefetch>(x, ldx, panel, 0, k_len, y, ldy, accumulate); break;
-    case 5: tile<5, 1, Prefetch>(x, ldx, panel, 0, k_len, y, ldy, accumulate); break;
-    case 4: tile<4, 1, Prefetch>(x, ldx, panel, 0, k_len, y, ldy, accumulate); break;
-    case 3: tile<3, 1, Prefetch>(x, ldx, panel, 0, k_len, y, ldy, accumulate); break;
-    case 2: tile<2, 1, Prefetch>(x, ldx, panel, 0, k_len, y, ldy, accumulate); break;
-    default: tile<1, 1, Prefetch>(x, ldx, panel, 0, k_len, y, ldy, accumulate); break;
-  }
+  with_rows(rows, [&]<int R>() {
+    tile<R, 1, Prefetch>(x, ldx, panel, 0, k_len, y, ldy, accumulate);
+  });
 }
 
 // m <= 6 rows (one row group) against `count` panels, each read once in one pass, plainly:
 // blocking and software prefetch made the memory-bound M = 1 step 10-20% slower. A tile of
-// few rows spans several panels, so that it has enough independent accumulators to hide the
-// FMA latency (one row against one panel has two): at M = 1, four panels side by side made
-// the 30 layers' linears 17-21% faster with the weights streamed from memory.
+// few rows spans several panels (side_panels): at M = 1, four panels side by side made the 30
+// layers' linears 17-21% faster with the weights streamed from memory.
 template <int R>
 static void one_row_group(const float* x, int64_t k_total, const float* panels, int64_t count,
                           float* y, int64_t ldy) {
-  constexpr int kSide = R == 1 ? 4 : R <= 3 ? 2 : 1;   // panels per tile
+  constexpr int kSide = side_panels(R);
   const int64_t stride = k_total * kPanel;
   int64_t p = 0;
   for (; p + kSide <= count; p += kSide)
@@ -182,7 +204,7 @@ static void one_row_group(const float* x, int64_t k_total, const float* panels, 
 template <typename F, int R>
 static void block_row_group(const float* x, int64_t k_total, const uint8_t* panels,
                             int64_t count, float* y, int64_t ldy) {
-  constexpr int kSide = R == 1 ? 4 : R <= 3 ? 2 : 1;   // as one_row_group
+  constexpr int kSide = side_panels(R);
   const int64_t stride = k_total / gemv_blocks::kSteps * F::kBlockBytes;
   int64_t p = 0;
   for (; p + kSide <= count; p += kSide)
@@ -194,41 +216,25 @@ static void block_row_group(const float* x, int64_t k_total, const uint8_t* pane
 template <typename F>
 static void block_row_group(int64_t m, const float* x, int64_t k_total, const uint8_t* panels,
                             int64_t count, float* y, int64_t ldy) {
-  switch (m) {
-    case 6: block_row_group<F, 6>(x, k_total, panels, count, y, ldy); break;
-    case 5: block_row_group<F, 5>(x, k_total, panels, count, y, ldy); break;
-    case 4: block_row_group<F, 4>(x, k_total, panels, count, y, ldy); break;
-    case 3: block_row_group<F, 3>(x, k_total, panels, count, y, ldy); break;
-    case 2: block_row_group<F, 2>(x, k_total, panels, count, y, ldy); break;
-    default: block_row_group<F, 1>(x, k_total, panels, count, y, ldy); break;
-  }
+  with_rows(m, [&]<int R>() { block_row_group<F, R>(x, k_total, panels, count, y, ldy); });
 }
 #endif
 
 static void one_row_group(int64_t m, const float* x, int64_t k_total, const float* panels,
                           int64_t count, float* y, int64_t ldy) {
-  switch (m) {
-    case 6: one_row_group<6>(x, k_total, panels, count, y, ldy); break;
-    case 5: one_row_group<5>(x, k_total, panels, count, y, ldy); break;
-    case 4: one_row_group<4>(x, k_total, panels, count, y, ldy); break;
-    case 3: one_row_group<3>(x, k_total, panels, count, y, ldy); break;
-    case 2: one_row_group<2>(x, k_total, panels, count, y, ldy); break;
-    default: one_row_group<1>(x, k_total, panels, count, y, ldy); break;
-  }
+  with_rows(m, [&]<int R>() { one_row_group<R>(x, k_total, panels, count, y, ldy); });
 }
 
-// m > 6 rows against one panel. Rows are split into groups of equal size (8 rows: 4 + 4, not
-// 6 + 2), since a tile of few rows has too few accumulators to hide the FMA latency.
+// m > 6 rows against one panel, in RowGroups.
 static void panel_rows(int64_t m, const float* x, int64_t k_total, const float* panel, float* y,
                        int64_t ldy) {
-  const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
-  const int64_t base = m / groups, extra = m % groups;
-  const int64_t block = groups <= kShortBlockGroups ? kShortBlockK : kLongBlockK;
+  const RowGroups groups(m);
+  const int64_t block = groups.count <= kShortBlockGroups ? kShortBlockK : kLongBlockK;
   for (int64_t k0 = 0; k0 < k_total; k0 += block) {
     const int64_t k_len = std::min(block, k_total - k0);
     int64_t row = 0;
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t rows = base + (g < extra ? 1 : 0);
+    for (int64_t g = 0; g < groups.count; ++g) {
+      const int64_t rows = groups.size(g);
       row_tile<true>(rows, x + row * k_total + k0, k_total, panel + k0 * kPanel, k_len,
                      y + row * ldy, ldy, k0 > 0);
       row += rows;
@@ -236,7 +242,7 @@ static void panel_rows(int64_t m, const float* x, int64_t k_total, const float* 
   }
 }
 
-// Compact panels: rows in groups of at most 6 (as panel_rows), each group's tiles rebuilding
+// Compact panels: rows in RowGroups (as panel_rows), each group's tiles rebuilding
 // the weights in registers from the whole panel, which stays in L2 for the next group. Meant
 // for few rows: from about 12 rows the fp32 panels, bound by the FMAs, are as fast.
 template <typename F>
@@ -244,17 +250,16 @@ static void block_gemv(int64_t m, const float* x, int64_t k_len, const uint8_t* 
                        int64_t panels, float* y, int64_t n) {
 #if defined(__AVX2__) && defined(__FMA__)
   const int64_t stride = k_len / gemv_blocks::kSteps * F::kBlockBytes;
-  const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
-  const int64_t base = m / groups, extra = m % groups;
+  const RowGroups groups(m);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    if (groups == 1) {
+    if (groups.count == 1) {
       block_row_group<F>(m, x, k_len, wp + begin * stride, end - begin, y + begin * kPanel, n);
       return;
     }
     for (int64_t p = begin; p < end; ++p) {
       int64_t row = 0;
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t rows = base + (g < extra ? 1 : 0);
+      for (int64_t g = 0; g < groups.count; ++g) {
+        const int64_t rows = groups.size(g);
         block_row_group<F>(rows, x + row * k_len, k_len, wp + p * stride, 1,
                            y + row * n + p * kPanel, n);
         row += rows;

@@ -113,8 +113,10 @@ def test_compact_panels_leave_tokens_and_logprobs_bitwise_unchanged(make_llm):
     runs = {}
     for compact in (True, False):
         llm = make_llm(compact_panels=compact, prefix_cache=False)
-        lm_head = llm.engine.core.worker.runner.model.lm_head
-        assert (lm_head.gemv_compact is not None) == (compact and load_gemv_kernel() is not None)
+        model = llm.engine.core.worker.runner.model
+        expected = compact and load_gemv_kernel() is not None
+        assert (model.lm_head.gemv_compact is not None) == expected               # Q8_0
+        assert (model.model.layers[0].mlp.down_proj.gemv_compact is not None) == expected
         runs[compact] = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
                          for o in [llm.generate(prompts[:1], params[0])[0],
                                    *llm.generate(prompts, params)]]

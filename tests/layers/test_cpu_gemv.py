@@ -51,6 +51,30 @@ def test_a_row_comes_out_bitwise_the_same_whatever_rows_share_its_step(rows, in_
         assert torch.equal(kernel.gemv_linear(x[:size].contiguous(), packed), together[:size])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 12, 200])
+def test_output_is_bitwise_the_same_on_any_number_of_threads(rows):
+    # The threads take the panels in chunks from a shared counter (kernels/work_sharing.h), so
+    # which thread computes a panel varies from call to call; that must not change a bit of
+    # the result, with fp32 or compact panels, nor leave a panel out.
+    gen = torch.Generator().manual_seed(rows)
+    kernel = load_kernel()
+    weight = q4_1_weight(gen, 37 * 16, 96)   # 37 panels: chunks do not divide them evenly
+    x = torch.randn(rows, 96, generator=gen)
+    panels = [kernel.pack_gemv_weight(weight), kernel.pack_gemv_q4(weight)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = [kernel.gemv_linear(x, p) for p in panels]
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            for packed, want in zip(panels, expected):
+                for _ in range(3):
+                    assert torch.equal(kernel.gemv_linear(x, packed), want), threads
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(expected[0], F.linear(x, weight), rtol=1e-4, atol=1e-3)
+
+
 def test_kernel_rejects_what_it_cannot_take():
     kernel = load_kernel()
     with pytest.raises(RuntimeError, match="multiple of 16"):

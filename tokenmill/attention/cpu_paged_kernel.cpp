@@ -702,7 +702,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   // Partial softmax state of every (request, slice); with one slice it is normalized in place.
   std::vector<float> part_acc(slices > 1 ? num * slices * rows * s.dim : 0),
       part_max(num * slices * rows), part_sum(num * slices * rows);
-  at::parallel_for(0, num * slices, 1, [&](int64_t begin, int64_t end) {
+  // one (request, slice) at a time from the shared counter (work_sharing.h)
+  tokenmill_parallel::parallel_chunks(num * slices, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_buf(rows * s.dim), scores(s.groups * s.block_size),
         acc(rows * s.dim);
     for (int64_t item = begin; item < end; ++item) {

@@ -29,6 +29,7 @@ def _cpu_features_key() -> str:
 
 AVX2_MATH = Path(__file__).with_name("avx2_math.h")   # exp, horizontal sum
 ENTRY_POINTS = Path(__file__).with_name("entry_points.h")   # kernels called from C++
+WORK_SHARING = Path(__file__).with_name("work_sharing.h")   # threads take chunks of a range
 
 
 def compile_cpu_extension(prefix: str, source: Path, functions: list[str], name: str,

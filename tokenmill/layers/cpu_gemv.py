@@ -7,7 +7,11 @@ output for a fifth (Q4_1) or a quarter (Q8_0) of the bytes.
 SmolLM2's 120 layer GEMMs (distinct weights, so they stream from memory), best of several
 runs, oneDNN's packed GEMM -> this kernel: M = 1: 20 -> 14 ms (memory bandwidth); M = 8:
 30 -> 22 ms; M = 16: 46 -> 30 ms; M = 32: 68 -> 50 ms; M = 64: 133 -> 110 ms; M = 128:
-219 -> 190 ms; M = 256: even (390 ms). Above GEMV_MAX_ROWS oneDNN takes the step.
+219 -> 190 ms; M = 256: even (390 ms). Since the threads take the panels in chunks
+(kernels/work_sharing.h), the 120 GEMMs against oneDNN, medians, same process: M = 128:
+173 -> 204 ms (157 against 133 GFLOP/s); M = 256: 374 -> 404; M = 384: 607 -> 663; M = 512:
+even; M = 1024: oneDNN 3% faster. With a busy-loop competitor on one core (2 ms of every 10),
+M = 256: 410 against 456 ms. Above GEMV_MAX_ROWS oneDNN takes the step.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.kernels.cpp_build import ENTRY_POINTS, CpuExtension
+from tokenmill.kernels.cpp_build import ENTRY_POINTS, WORK_SHARING, CpuExtension
 
-GEMV_MAX_ROWS = 128   # the kernel takes steps of at most this many tokens
+GEMV_MAX_ROWS = 384   # the kernel takes steps of at most this many tokens
 # Compact panels (gemv_blocks.h) take steps of at most this many tokens, by their dtype; above
 # it the FMAs bound both kinds and the compact ones pay for rebuilding the weights. Streamed
 # from memory, fp32 -> compact panels:
@@ -33,7 +37,7 @@ BLOCK_FORMATS = Path(__file__).with_name("gemv_blocks.h")   # the compact panels
 KERNEL = CpuExtension("tokenmill_cpu_gemv", Path(__file__).with_name("cpu_gemv_kernel.cpp"),
                       ["pack_gemv_weight", "pack_gemv_q4", "pack_gemv_q8", "gemv_linear",
                        "entry_points"], "cpu_gemv linear kernel",
-                      "oneDNN at every batch size", headers=(ENTRY_POINTS, BLOCK_FORMATS))
+                      "oneDNN at every batch size", headers=(ENTRY_POINTS, WORK_SHARING, BLOCK_FORMATS))
 load_kernel = KERNEL.load
 
 

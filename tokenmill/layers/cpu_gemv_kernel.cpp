@@ -10,7 +10,7 @@
 // 5-20% slower at M = 8-32 with the weights out of cache, and 5-10% faster above M = 36.
 // Up to 6 rows a tile spans several panels instead (one_row_group), so the step is bound by
 // the weights' stream; from M = 24 up it runs at 75-90% of the FMA peak, above oneDNN's packed
-// GEMM up to M = 256 on SmolLM2's shapes. Threads split the panels.
+// GEMM up to M = 256 on SmolLM2's shapes. Threads take the panels in chunks (work_sharing.h).
 //
 // Compact panels (layers/gemv_blocks.h): weights that are exactly GGUF Q4_1 or Q8_0 values
 // also stream in their blocks, a fifth or a quarter of the bytes, and are rebuilt in
@@ -251,7 +251,8 @@ static void block_gemv(int64_t m, const float* x, int64_t k_len, const uint8_t* 
 #if defined(__AVX2__) && defined(__FMA__)
   const int64_t stride = k_len / gemv_blocks::kSteps * F::kBlockBytes;
   const RowGroups groups(m);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  const int64_t chunk = tokenmill_parallel::chunk_for(panels, side_panels(groups.size(0)));
+  tokenmill_parallel::parallel_chunks(panels, chunk, [&](int64_t begin, int64_t end) {
     if (groups.count == 1) {
       block_row_group<F>(m, x, k_len, wp + begin * stride, end - begin, y + begin * kPanel, n);
       return;
@@ -303,7 +304,9 @@ torch::Tensor gemv_linear(torch::Tensor x, torch::Tensor packed) {
     return y;
   }
   const float* wp = packed.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  const int64_t unit = m <= kMaxRows ? side_panels(m) : 1;
+  const int64_t chunk = tokenmill_parallel::chunk_for(panels, unit);
+  tokenmill_parallel::parallel_chunks(panels, chunk, [&](int64_t begin, int64_t end) {
     if (m <= kMaxRows) {
       one_row_group(m, xp, k_len, wp + begin * k_len * kPanel, end - begin, yp + begin * kPanel, n);
       return;

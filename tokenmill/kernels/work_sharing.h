@@ -1,0 +1,38 @@
+// Dynamic work sharing for the CPU kernels: threads take chunks of a range from one counter.
+//
+// at::parallel_for hands each thread an equal, fixed share. On this VM the two cores often run
+// at different speeds (the host's other load: a busy loop pinned to each core once ran 40%
+// slower on one of them), and with fixed shares the faster thread then waits at the barrier: a
+// profile of 12-request decode steps found the OpenMP worker idle in libgomp for 38% of its
+// time while the main thread was still in the linears and attention. Taking chunks from a
+// counter lets the faster thread do more of them. Which thread computes a chunk does not change
+// its result, so the kernels' output stays bitwise the same.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+
+namespace tokenmill_parallel {
+
+// The chunk size that gives each thread about `per_thread` chunks of [0, total), rounded up to
+// a multiple of `unit` (a tile's width), at least one unit.
+inline int64_t chunk_for(int64_t total, int64_t unit, int64_t per_thread = 8) {
+  const int64_t parts = std::max<int64_t>(1, at::get_num_threads() * per_thread);
+  const int64_t chunk = (total + parts - 1) / parts;
+  return std::max<int64_t>(unit, (chunk + unit - 1) / unit * unit);
+}
+
+// fn(begin, end) over [0, total) in chunks of `chunk`, taken by the threads in turn as each
+// finishes its last one. Inside another parallel region it runs on the calling thread.
+template <typename Fn>
+void parallel_chunks(int64_t total, int64_t chunk, const Fn& fn) {
+  if (total <= 0) return;
+  const int64_t count = (total + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
+    for (int64_t c = next++; c < count; c = next++)
+      fn(c * chunk, std::min(total, (c + 1) * chunk));
+  });
+}
+
+}  // namespace tokenmill_parallel

@@ -21,7 +21,8 @@ from tokenmill.kernels.cpp_build import AVX2_MATH, ENTRY_POINTS, WORK_SHARING, C
 
 KERNEL = CpuExtension("tokenmill_cpu_paged", Path(__file__).with_name("cpu_paged_kernel.cpp"),
                       ["paged_decode_attention", "entry_points"], "cpu_paged attention kernel",
-                      "the torch reference backend", headers=(AVX2_MATH, ENTRY_POINTS, WORK_SHARING))
+                      "the torch reference backend",
+                      headers=(AVX2_MATH, ENTRY_POINTS, WORK_SHARING))
 load_kernel = KERNEL.load
 
 

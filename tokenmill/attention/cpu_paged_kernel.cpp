@@ -24,7 +24,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -583,12 +582,20 @@ void attend_with_groups(const std::vector<SharedGroup>& groups, const float* q, 
   for (int64_t r = 0; r < num; ++r) items.push_back({group_of[r], 0, 0, r});
   const int64_t parts = first_part[num];
   std::vector<float> part_acc(parts * rows * dim), part_max(parts * rows), part_sum(parts * rows);
-  std::atomic<int64_t> next{0};
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> q_buf(std::max(max_rows, rows) * dim), scores(max_rows * bs),
-        kt(dim * bs), acc(max_rows * dim), mx(max_rows), sm(max_rows);
-    for (int64_t i = next++; i < n_items; i = next++) {
+  struct Scratch {
+    std::vector<float> q_buf, scores, kt, acc, mx, sm;
+  };
+  const auto make_scratch = [&] {
+    return Scratch{std::vector<float>(std::max(max_rows, rows) * dim),
+                   std::vector<float>(max_rows * bs), std::vector<float>(dim * bs),
+                   std::vector<float>(max_rows * dim), std::vector<float>(max_rows),
+                   std::vector<float>(max_rows)};
+  };
+  // one work item at a time from the shared counter (kernels/work_sharing.h)
+  tokenmill_parallel::parallel_chunks_with(static_cast<int64_t>(items.size()), 1, make_scratch,
+                                           [&](Scratch& scratch, int64_t begin, int64_t end) {
+    auto& [q_buf, scores, kt, acc, mx, sm] = scratch;
+    for (int64_t i = begin; i < end; ++i) {
       const WorkItem& item = items[i];
       if (item.request >= 0) {   // a request's own blocks, after its group's prefix if any
         const int64_t r = item.request, p = first_part[r + 1] - 1;
@@ -702,10 +709,17 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   // Partial softmax state of every (request, slice); with one slice it is normalized in place.
   std::vector<float> part_acc(slices > 1 ? num * slices * rows * s.dim : 0),
       part_max(num * slices * rows), part_sum(num * slices * rows);
-  // one (request, slice) at a time from the shared counter (work_sharing.h)
-  tokenmill_parallel::parallel_chunks(num * slices, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_buf(rows * s.dim), scores(s.groups * s.block_size),
-        acc(rows * s.dim);
+  struct Scratch {
+    std::vector<float> q_buf, scores, acc;
+  };
+  const auto make_scratch = [&] {
+    return Scratch{std::vector<float>(rows * s.dim),
+                   std::vector<float>(s.groups * s.block_size), std::vector<float>(rows * s.dim)};
+  };
+  // one (request, slice) at a time from the shared counter (kernels/work_sharing.h)
+  tokenmill_parallel::parallel_chunks_with(num * slices, 1, make_scratch,
+                                           [&](Scratch& scratch, int64_t begin, int64_t end) {
+    auto& [q_buf, scores, acc] = scratch;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / slices, slice = item % slices;
       const int64_t len = lens[r];

@@ -22,17 +22,28 @@ inline int64_t chunk_for(int64_t total, int64_t unit, int64_t per_thread = 8) {
   return std::max<int64_t>(unit, (chunk + unit - 1) / unit * unit);
 }
 
-// fn(begin, end) over [0, total) in chunks of `chunk`, taken by the threads in turn as each
-// finishes its last one. Inside another parallel region it runs on the calling thread.
-template <typename Fn>
-void parallel_chunks(int64_t total, int64_t chunk, const Fn& fn) {
+// fn(state, begin, end) over [0, total) in chunks of `chunk`, taken by the threads in turn as
+// each finishes its last one. Each thread makes its `state` (scratch buffers) once, with
+// make_state(), for all the chunks it takes. Inside another parallel region it all runs on
+// the calling thread.
+template <typename MakeState, typename Fn>
+void parallel_chunks_with(int64_t total, int64_t chunk, const MakeState& make_state,
+                          const Fn& fn) {
   if (total <= 0) return;
   const int64_t count = (total + chunk - 1) / chunk;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
+    auto state = make_state();
     for (int64_t c = next++; c < count; c = next++)
-      fn(c * chunk, std::min(total, (c + 1) * chunk));
+      fn(state, c * chunk, std::min(total, (c + 1) * chunk));
   });
+}
+
+// The same without scratch: fn(begin, end).
+template <typename Fn>
+void parallel_chunks(int64_t total, int64_t chunk, const Fn& fn) {
+  parallel_chunks_with(total, chunk, [] { return 0; },
+                       [&](int, int64_t begin, int64_t end) { fn(begin, end); });
 }
 
 }  // namespace tokenmill_parallel

@@ -37,7 +37,8 @@ BLOCK_FORMATS = Path(__file__).with_name("gemv_blocks.h")   # the compact panels
 KERNEL = CpuExtension("tokenmill_cpu_gemv", Path(__file__).with_name("cpu_gemv_kernel.cpp"),
                       ["pack_gemv_weight", "pack_gemv_q4", "pack_gemv_q8", "gemv_linear",
                        "entry_points"], "cpu_gemv linear kernel",
-                      "oneDNN at every batch size", headers=(ENTRY_POINTS, WORK_SHARING, BLOCK_FORMATS))
+                      "oneDNN at every batch size",
+                      headers=(ENTRY_POINTS, WORK_SHARING, BLOCK_FORMATS))
 load_kernel = KERNEL.load
 
 

@@ -10,7 +10,8 @@
 // 5-20% slower at M = 8-32 with the weights out of cache, and 5-10% faster above M = 36.
 // Up to 6 rows a tile spans several panels instead (one_row_group), so the step is bound by
 // the weights' stream; from M = 24 up it runs at 75-90% of the FMA peak, above oneDNN's packed
-// GEMM up to M = 256 on SmolLM2's shapes. Threads take the panels in chunks (work_sharing.h).
+// GEMM up to M = 384 on SmolLM2's shapes (layers/cpu_gemv.py has the figures). Threads take
+// the panels in chunks (kernels/work_sharing.h).
 //
 // Compact panels (layers/gemv_blocks.h): weights that are exactly GGUF Q4_1 or Q8_0 values
 // also stream in their blocks, a fifth or a quarter of the bytes, and are rebuilt in

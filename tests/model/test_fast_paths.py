@@ -104,7 +104,7 @@ def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch):
 
 
 def test_compact_panels_leave_tokens_and_logprobs_bitwise_unchanged(make_llm):
-    """The default model's weights are Q4_1/Q8_0 values: steps of up to 8-10 tokens stream
+    """The default model's weights are Q4_1/Q8_0 values: steps of up to 10-12 tokens stream
     them as compact panels. Batches of 1 to 12 requests (both sides of the switch) give the
     same tokens and logprobs, to the bit, as with fp32 panels only."""
     params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=2)

@@ -28,9 +28,10 @@ GEMV_MAX_ROWS = 384   # the kernel takes steps of at most this many tokens
 # from memory, fp32 -> compact panels:
 # - SmolLM2's 210 layer linears (Q4_1): M = 1: 13.3 -> 5.1 ms; M = 2: 13.7 -> 6.6; M = 4:
 #   16.0 -> 8.1; M = 8: 17.7 -> 15.6; M = 10: 18.5-20.5 -> 17.5-18.6; M = 12 even.
-# - its lm_head (Q8_0): M = 1: 4.0 -> 1.4 ms; M = 4: 4.5 -> 2.5; M = 8: 5.3 -> 4.4; M = 10:
-#   4.5 -> 5.2.
-GEMV_COMPACT_MAX_ROWS = {torch.uint8: 10, torch.int8: 8}
+# - its lm_head (Q8_0): M = 1: 4.0 -> 1.4 ms; M = 4: 4.5 -> 2.5. From 7 rows the Q8_0 panels
+#   run in half-panel tiles (cpu_gemv_kernel.cpp), medians of 9, same process: M = 7: 4.76 ->
+#   3.83 ms; M = 8: 5.01 -> 4.27; M = 10: 4.51 -> 4.45; M = 12: 6.13 -> 5.60.
+GEMV_COMPACT_MAX_ROWS = {torch.uint8: 10, torch.int8: 12}
 PANEL = 16            # out_features must be a multiple of this
 
 BLOCK_FORMATS = Path(__file__).with_name("gemv_blocks.h")   # the compact panels

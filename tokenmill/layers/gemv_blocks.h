@@ -45,6 +45,7 @@ struct Q4_1 {
   static constexpr int64_t kScaleBytes = 2 * kCols * 4;
   static constexpr int64_t kBlockBytes = kScaleBytes + kSteps * kCols / 2;   // 384
   static constexpr auto kDtype = torch::kUInt8;
+  static constexpr bool kHalfTiles = false;   // see the kernel's block_half_tile
 
   // One row's 32 weights -> scales {d, m} and levels, or false. m is the minimum (q = 0).
   static bool fit(const float* w, float* scales, int* q) {
@@ -99,6 +100,7 @@ struct Q8_0 {
   static constexpr int64_t kScaleBytes = kCols * 4;
   static constexpr int64_t kBlockBytes = kScaleBytes + kSteps * kCols;   // 576
   static constexpr auto kDtype = torch::kInt8;
+  static constexpr bool kHalfTiles = true;
 
   static bool fit(const float* w, float* scales, int* q) {
     float amax = 0.f;
@@ -134,6 +136,15 @@ struct Q8_0 {
     lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_loadu_ps(scale));
     hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))),
                        _mm256_loadu_ps(scale + 8));
+  }
+
+  // expand()'s lo (half 0) or hi (half 1) alone: the 8 weights of step kk in columns
+  // [8 half, 8 half + 8), by the same operations.
+  static inline __m256 expand_half(const uint8_t* block, int64_t kk, int half) {
+    const __m128i bytes = _mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols + 8 * half));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+                         _mm256_loadu_ps(reinterpret_cast<const float*>(block) + 8 * half));
   }
 #endif
 };

@@ -1,4 +1,5 @@
-"""The paged C++ CPU decode kernel against the torch reference backend (the oracle)."""
+"""The paged C++ CPU decode and prefill kernels against the torch reference backend (the
+oracle)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from tokenmill import SamplingParams
 from tokenmill.attention.cpu_paged import CpuPagedBackend, load_kernel
-from tokenmill.attention.metadata import AttentionMetadata, decode_mask
+from tokenmill.attention.metadata import AttentionMetadata, PrefillSpan, decode_mask
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 
 BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS = 16, 64, 800
@@ -149,6 +150,87 @@ def test_kernel_rejects_out_of_range_block():
     backend = CpuPagedBackend(1, 1, HEAD_DIM, 1.0)
     with pytest.raises(RuntimeError, match="block id out of range"):
         run_decode(backend, torch.zeros(1, 1, HEAD_DIM), caches, meta)
+
+
+def random_prefill(gen: torch.Generator, cached: int, query_len: int, kv_heads: int,
+                   groups: int, block_size: int, head_dim: int):
+    """Caches over a random pool holding a request's `cached + query_len` tokens (the chunk's
+    keys and values written, as the forward pass does first), its chunk's queries and span."""
+    seq_len = cached + query_len
+    table = torch.randperm(NUM_BLOCKS, generator=gen)[:-(-seq_len // block_size)]
+    shape = (NUM_BLOCKS, block_size, kv_heads, head_dim)
+    caches = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    slots = (table.repeat_interleave(block_size) * block_size
+             + torch.arange(block_size).repeat(len(table)))[cached:seq_len]
+    key, value = (c.view(-1, kv_heads, head_dim)[slots] for c in caches)
+    query = torch.randn(query_len, kv_heads * groups, head_dim, generator=gen) * 2
+    span = PrefillSpan(query_start=0, query_len=query_len, seq_len=seq_len, block_table=table)
+    return query, key, value, caches, span
+
+
+def run_prefill(backend, query, key, value, caches, span):
+    return backend._prefill(query, key, value, caches[0], caches[1], span, None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cached=st.integers(0, 700), query_len=st.integers(1, 300),
+       kv_heads=st.sampled_from([1, 3]), groups=st.sampled_from([1, 3, 4]),
+       block_size=st.sampled_from([8, 16, 32]), head_dim=st.sampled_from([40, 64]),
+       seed=st.integers(0, 2**16))
+def test_prefill_kernel_matches_reference(cached, query_len, kv_heads, groups, block_size,
+                                          head_dim, seed):
+    # Chunks with and without cached context, block-aligned or not, partial register tiles
+    # (rows = tokens x groups), GQA or not: causal attention over the paged context, read in
+    # place, equals SDPA over the gathered copy with a causal mask.
+    gen = torch.Generator().manual_seed(seed)
+    args = random_prefill(gen, cached, query_len, kv_heads, groups, block_size, head_dim)
+    heads, scale = kv_heads * groups, head_dim ** -0.5
+    expected = run_prefill(TorchReferenceBackend(heads, kv_heads, head_dim, scale), *args)
+    got = run_prefill(CpuPagedBackend(heads, kv_heads, head_dim, scale), *args)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_prefill_kernel_output_is_the_same_on_any_number_of_threads():
+    gen = torch.Generator().manual_seed(5)
+    query, _, _, caches, span = random_prefill(gen, 333, 200, 3, 3, BLOCK_SIZE, HEAD_DIM)
+    kernel, before = load_kernel(), torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = torch.empty_like(query)
+            assert kernel.paged_prefill_attention(out, query, *caches, span.block_table,
+                                                  span.seq_len, HEAD_DIM ** -0.5)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+def test_prefill_kernel_leaves_shapes_it_does_not_take_to_the_reference():
+    gen = torch.Generator().manual_seed(6)
+    query, key, value, caches, span = random_prefill(gen, 20, 9, 2, 2, BLOCK_SIZE, 36)
+    out = torch.full_like(query, 7.0)
+    assert not load_kernel().paged_prefill_attention(out, query, *caches, span.block_table,
+                                                     span.seq_len, 0.1)   # head_dim 36
+    assert torch.equal(out, torch.full_like(query, 7.0))
+    expected = run_prefill(TorchReferenceBackend(4, 2, 36, 0.1), query, key, value, caches, span)
+    got = run_prefill(CpuPagedBackend(4, 2, 36, 0.1), query, key, value, caches, span)
+    assert torch.equal(got, expected)
+
+
+def test_prefill_kernel_rejects_bad_spans():
+    gen = torch.Generator().manual_seed(8)
+    query, _, _, caches, span = random_prefill(gen, 40, 8, 1, 3, BLOCK_SIZE, HEAD_DIM)
+    kernel, out = load_kernel(), torch.empty_like(query)
+    bad = span.block_table.clone()
+    bad[1] = NUM_BLOCKS
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernel.paged_prefill_attention(out, query, *caches, bad, span.seq_len, 1.0)
+    with pytest.raises(RuntimeError, match="seq_len must cover the query"):
+        kernel.paged_prefill_attention(out, query, *caches, span.block_table, 7, 1.0)
+    with pytest.raises(RuntimeError, match="seq_len must cover the query"):
+        kernel.paged_prefill_attention(out, query, *caches, span.block_table[:2], 48, 1.0)
 
 
 PREFIX = ("You are a careful assistant for a railway company. Answer questions about timetables, "

@@ -1,9 +1,12 @@
-"""CPU paged decode attention: a C++ kernel reading K/V in place through the block tables.
+"""CPU paged attention: C++ kernels reading K/V in place through the block tables.
 
 The reference backend gathers every decode's blocks into a padded copy per layer; with many
-requests over a shared prefix that copy dominates the step. This kernel reads each block where
-it lives (shared blocks stay in L2/L3), so decodes cost their arithmetic only. Prefills and any
-non-fp32 or non-CPU input keep the reference path, which is also the test oracle.
+requests over a shared prefix that copy dominates the step. The decode kernel reads each block
+where it lives (shared blocks stay in L2/L3), so decodes cost their arithmetic only. The
+prefill kernel does the same for a chunk's causal attention over its context, without the
+gathered copy and the mask that SDPA needs once part of the context is cached. Sliding
+windows and any non-fp32 or non-CPU input keep the reference path, which is also the test
+oracle.
 
 The kernel compiles on first use (torch.utils.cpp_extension, cached in the torch extensions
 directory); without a working compiler `load_kernel()` returns None after one warning.
@@ -20,7 +23,7 @@ from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.kernels.cpp_build import AVX2_MATH, ENTRY_POINTS, WORK_SHARING, CpuExtension
 
 KERNEL = CpuExtension("tokenmill_cpu_paged", Path(__file__).with_name("cpu_paged_kernel.cpp"),
-                      ["paged_decode_attention", "entry_points"], "cpu_paged attention kernel",
+                      ["paged_decode_attention", "paged_prefill_attention", "entry_points"], "cpu_paged attention kernel",
                       "the torch reference backend",
                       headers=(AVX2_MATH, ENTRY_POINTS, WORK_SHARING))
 load_kernel = KERNEL.load
@@ -48,3 +51,15 @@ class CpuPagedBackend(TorchReferenceBackend):
                                            meta.decode_block_table, meta.decode_seq_lens,
                                            self.scale, window)
         return out
+
+    def _prefill(self, query, key, value, k_cache, v_cache, span, window) -> torch.Tensor:
+        """query: [query_len, heads, head_dim] of one chunk -> same shape, causal over its
+        context, read in place (no gathered copy, no mask tensor)."""
+        if (self.kernel is not None and window is None and query.dtype == torch.float32
+                and k_cache.dtype == torch.float32 and query.device.type == "cpu"):
+            query = query.contiguous()
+            out = torch.empty_like(query)
+            if self.kernel.paged_prefill_attention(out, query, k_cache, v_cache,
+                                                   span.block_table, span.seq_len, self.scale):
+                return out
+        return super()._prefill(query, key, value, k_cache, v_cache, span, window)

@@ -154,25 +154,6 @@ static void block_half_tile(const float* x, int64_t ldx, const uint8_t* panel, i
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy + 8 * half, acc[r]);
 }
 
-// m rows (kMaxRows < m <= kHalfMaxRows) against `count` compact panels in half-panel tiles.
-template <typename F>
-static void block_half_panels(int64_t m, const float* x, int64_t k_len, const uint8_t* panels,
-                              int64_t stride, int64_t count, float* y, int64_t ldy) {
-  const auto run = [&]<int R>() {
-    for (int64_t p = 0; p < count; ++p)
-      for (int half = 0; half < 2; ++half)
-        block_half_tile<F, R>(x, k_len, panels + p * stride, k_len, half, y + p * kPanel, ldy);
-  };
-  switch (m) {
-    case 12: run.template operator()<12>(); break;
-    case 11: run.template operator()<11>(); break;
-    case 10: run.template operator()<10>(); break;
-    case 9: run.template operator()<9>(); break;
-    case 8: run.template operator()<8>(); break;
-    default: run.template operator()<7>(); break;
-  }
-}
-static_assert(kMaxRows == 6 && kHalfMaxRows == 12, "block_half_panels covers 7..12 rows");
 #else
 template <int R, int P, bool Prefetch>
 static void tile(const float* x, int64_t ldx, const float* panel, int64_t panel_stride,
@@ -192,19 +173,20 @@ static void tile(const float* x, int64_t ldx, const float* panel, int64_t panel_
 }
 #endif
 
-// Runs fn.template operator()<R>() with R = rows (1..kMaxRows) as a compile-time count.
+// Runs fn.template operator()<R>() with R = rows as a compile-time count, rows in [Lo, Hi]
+// (fewer: Lo).
+template <int Lo, int Hi, typename Fn>
+static void with_rows_in(int64_t rows, Fn&& fn) {
+  if constexpr (Lo < Hi) {
+    if (rows > Lo) return with_rows_in<Lo + 1, Hi>(rows, fn);
+  }
+  fn.template operator()<Lo>();
+}
+
 template <typename Fn>
 static void with_rows(int64_t rows, Fn&& fn) {
-  switch (rows) {
-    case 6: fn.template operator()<6>(); break;
-    case 5: fn.template operator()<5>(); break;
-    case 4: fn.template operator()<4>(); break;
-    case 3: fn.template operator()<3>(); break;
-    case 2: fn.template operator()<2>(); break;
-    default: fn.template operator()<1>(); break;
-  }
+  with_rows_in<1, kMaxRows>(rows, fn);
 }
-static_assert(kMaxRows == 6, "with_rows covers 1..kMaxRows");
 
 // m rows split into groups of at most kMaxRows, of equal size (8 rows: 4 + 4, not 6 + 2),
 // since a tile of few rows has too few accumulators to hide the FMA latency.
@@ -263,6 +245,17 @@ template <typename F>
 static void block_row_group(int64_t m, const float* x, int64_t k_total, const uint8_t* panels,
                             int64_t count, float* y, int64_t ldy) {
   with_rows(m, [&]<int R>() { block_row_group<F, R>(x, k_total, panels, count, y, ldy); });
+}
+
+// m rows (kMaxRows < m <= kHalfMaxRows) against `count` compact panels in half-panel tiles.
+template <typename F>
+static void block_half_panels(int64_t m, const float* x, int64_t k_len, const uint8_t* panels,
+                              int64_t stride, int64_t count, float* y, int64_t ldy) {
+  with_rows_in<kMaxRows + 1, kHalfMaxRows>(m, [&]<int R>() {
+    for (int64_t p = 0; p < count; ++p)
+      for (int half = 0; half < 2; ++half)
+        block_half_tile<F, R>(x, k_len, panels + p * stride, k_len, half, y + p * kPanel, ldy);
+  });
 }
 #endif
 

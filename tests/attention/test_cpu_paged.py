@@ -219,6 +219,15 @@ def test_prefill_kernel_leaves_shapes_it_does_not_take_to_the_reference():
     assert torch.equal(got, expected)
 
 
+def test_long_uncached_chunks_keep_sdpa():
+    from tokenmill.attention.cpu_paged import SDPA_MIN_UNCACHED
+    gen = torch.Generator().manual_seed(9)
+    args = random_prefill(gen, 0, SDPA_MIN_UNCACHED, 1, 3, BLOCK_SIZE, HEAD_DIM)
+    scale = HEAD_DIM ** -0.5
+    expected = run_prefill(TorchReferenceBackend(3, 1, HEAD_DIM, scale), *args)
+    assert torch.equal(run_prefill(CpuPagedBackend(3, 1, HEAD_DIM, scale), *args), expected)
+
+
 def test_prefill_kernel_rejects_bad_spans():
     gen = torch.Generator().manual_seed(8)
     query, _, _, caches, span = random_prefill(gen, 40, 8, 1, 3, BLOCK_SIZE, HEAD_DIM)

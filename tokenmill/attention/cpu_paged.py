@@ -27,6 +27,11 @@ KERNEL = CpuExtension("tokenmill_cpu_paged", Path(__file__).with_name("cpu_paged
                       "the torch reference backend",
                       headers=(AVX2_MATH, ENTRY_POINTS, WORK_SHARING))
 load_kernel = KERNEL.load
+# A chunk with nothing cached before it needs no gathered copy or mask: SDPA's causal flash
+# kernel skips the masked blocks, and from about 2048 tokens (the one-step long prompts) it
+# beats the paged kernel (30 layers, 3000 tokens: 3.26 against 3.83 s; 1024: 0.46 against
+# 0.39 s, 512: 0.16 against 0.10 s).
+SDPA_MIN_UNCACHED = 2048
 
 
 class CpuPagedBackend(TorchReferenceBackend):
@@ -55,8 +60,10 @@ class CpuPagedBackend(TorchReferenceBackend):
     def _prefill(self, query, key, value, k_cache, v_cache, span, window) -> torch.Tensor:
         """query: [query_len, heads, head_dim] of one chunk -> same shape, causal over its
         context, read in place (no gathered copy, no mask tensor)."""
-        if (self.kernel is not None and window is None and query.dtype == torch.float32
-                and k_cache.dtype == torch.float32 and query.device.type == "cpu"):
+        uncached_long = span.seq_len == span.query_len >= SDPA_MIN_UNCACHED
+        if (self.kernel is not None and window is None and not uncached_long
+                and query.dtype == torch.float32 and k_cache.dtype == torch.float32
+                and query.device.type == "cpu"):
             query = query.contiguous()
             out = torch.empty_like(query)
             if self.kernel.paged_prefill_attention(out, query, k_cache, v_cache,

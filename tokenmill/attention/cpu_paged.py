@@ -23,8 +23,8 @@ from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.kernels.cpp_build import AVX2_MATH, ENTRY_POINTS, WORK_SHARING, CpuExtension
 
 KERNEL = CpuExtension("tokenmill_cpu_paged", Path(__file__).with_name("cpu_paged_kernel.cpp"),
-                      ["paged_decode_attention", "paged_prefill_attention", "entry_points"], "cpu_paged attention kernel",
-                      "the torch reference backend",
+                      ["paged_decode_attention", "paged_prefill_attention", "entry_points"],
+                      "cpu_paged attention kernel", "the torch reference backend",
                       headers=(AVX2_MATH, ENTRY_POINTS, WORK_SHARING))
 load_kernel = KERNEL.load
 # A chunk with nothing cached before it needs no gathered copy or mask: SDPA's causal flash

@@ -505,37 +505,6 @@ struct HeadRows {
   }
 };
 
-// softmax_step for `rows` rows of a block ([rows, bs] scores, [rows, dim] acc), by the same
-// arithmetic, phase by phase over up to 64 rows at a time: each row's step is a chain of
-// dependent reductions (max, exp, sum), and one row after another left the core waiting on
-// them (a profile of prefill chunks found a quarter of the time there).
-inline void softmax_rows(float* scores, int rows, int bs, float* acc, int dim,
-                         float* running_max, float* running_sum) {
-  constexpr int kBatch = 64;
-  float alpha[kBatch];
-  for (int r0 = 0; r0 < rows; r0 += kBatch) {
-    const int n = std::min(kBatch, rows - r0);
-    float* sc = scores + r0 * bs;
-    float* mx = running_max + r0;
-    float* sm = running_sum + r0;
-    for (int r = 0; r < n; ++r) alpha[r] = std::max(mx[r], max_of(sc + r * bs, bs));
-    for (int r = 0; r < n; ++r) {   // alpha[r]: the new max, then exp(old max - new max)
-      const float new_max = alpha[r];
-      alpha[r] = new_max != mx[r] ? std::exp(mx[r] - new_max) : 1.0f;
-      mx[r] = new_max;
-    }
-    for (int r = 0; r < n; ++r) {
-      if (alpha[r] != 1.0f) sm[r] *= alpha[r];
-      sm[r] += exp_shift_sum(sc + r * bs, bs, mx[r]);
-    }
-    for (int r = 0; r < n; ++r) {
-      if (alpha[r] == 1.0f) continue;
-      float* a = acc + (r0 + r) * dim;
-      for (int d = 0; d < dim; ++d) a[d] *= alpha[r];
-    }
-  }
-}
-
 // Which keys attend_rows' rows may see: row r the positions up to pos[r] (null: every key of
 // the blocks), and no position from `end` on (the context's last block may be partly filled).
 struct RowLimits {
@@ -595,7 +564,8 @@ void attend_rows(const float* q, int rows, const float* k_cache, const float* v_
         rank1_rows<1>(n, q + r0 * dim, dim, kt + t, bs, dim, scores + r0 * bs + t, bs, false);
     }
     if (masked) mask_block(scores, rows, bs, b, limits);
-    softmax_rows(scores, rows, bs, acc, dim, running_max, running_sum);
+    for (int r = 0; r < rows; ++r)
+      softmax_step(scores + r * bs, bs, acc + r * dim, dim, running_max[r], running_sum[r]);
     // dims outer: a slice of the block's values stays in L1 while every row tile reads it
     for (int slice = 0; slice < slices; ++slice) {
       next_k.prefetch(slice, slices);

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tokenmill.bench.serve import BenchSettings, build_warmup
 from tokenmill.bench.workloads import WorkloadArgs, build_plan, parse_len
 
 
@@ -46,6 +47,22 @@ def test_plans_are_deterministic_under_seed(tokenizer):
                           tokenizer)
         return [t.text for s in plan.sessions for t in s.turns]
     assert texts(1) == texts(1) and texts(1) != texts(2) and len(texts(1)) == 6
+
+
+def test_warmup_never_caches_a_measured_runs_system_prompt(tokenizer):
+    # Seeds are run one after another on one server: no warm-up may share the system prompt
+    # of a nearby seed's measured run, or that run measures a warm prefix cache.
+    def sizes(seed):
+        return WorkloadArgs(seed=seed, num_requests=3, prefix_len=48, input_len=(4, 4))
+    measured = {build_plan("shared_prefix", sizes(seed), tokenizer).sessions[0].system
+                for seed in range(8)}
+    assert len(measured) == 8
+    for seed in range(1, 4):
+        warm = build_warmup(BenchSettings("http://unused", "shared_prefix", warmup=2,
+                                          sizes=sizes(seed)), tokenizer)
+        assert len(warm.sessions) == 2 and warm.sessions[0].system not in measured
+    assert build_warmup(BenchSettings("http://unused", "random", sizes=sizes(1)),
+                        tokenizer) is None
 
 
 def test_trace_file(tokenizer, tmp_path):

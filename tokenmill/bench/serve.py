@@ -154,6 +154,15 @@ def arrival_times(plan: Plan, request_rate: float | None, seed: int) -> list[flo
     return times
 
 
+# Warm-up texts come from a seed far from any measured run's: with seed + 1, a run's warm-up
+# cached the next seed's shared_prefix system prompt, so that run measured a warm cache.
+WARMUP_SEED_OFFSET = 1_000_003
+
+
+def warmup_seed(seed: int) -> int:
+    return seed + WARMUP_SEED_OFFSET
+
+
 def warmup_plan(plan: Plan, num: int) -> Plan:
     """The first `num` requests of the plan as plain one-turn sessions, all at once."""
     sessions = [Session([s.turns[0]], system=s.system) for s in plan.sessions[:num]]
@@ -199,13 +208,16 @@ def result_line(settings: BenchSettings, plan: Plan, model: str, endpoint: str,
 def run_bench(settings: BenchSettings, tokenizer: TextTokenizer) -> dict:
     """Build the plan (and warm-up), run it, and return the result line."""
     plan = build_plan(settings.workload, settings.sizes, tokenizer)
-    warm = None
-    if settings.warmup:
-        warm_sizes = dataclasses.replace(settings.sizes, seed=settings.sizes.seed + 1,
-                                         num_requests=settings.warmup)
-        warm = warmup_plan(build_plan(settings.workload, warm_sizes, tokenizer),
-                           settings.warmup)
-    return asyncio.run(_bench(settings, plan, warm))
+    return asyncio.run(_bench(settings, plan, build_warmup(settings, tokenizer)))
+
+
+def build_warmup(settings: BenchSettings, tokenizer: TextTokenizer) -> Plan | None:
+    """The warm-up requests (`settings.warmup` of them), from texts no measured run uses."""
+    if not settings.warmup:
+        return None
+    sizes = dataclasses.replace(settings.sizes, seed=warmup_seed(settings.sizes.seed),
+                                num_requests=settings.warmup)
+    return warmup_plan(build_plan(settings.workload, sizes, tokenizer), settings.warmup)
 
 
 def load_tokenizer(path: Path | None) -> TextTokenizer:

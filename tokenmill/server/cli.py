@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import time
+from typing import Callable, TypeVar
 
 from tokenmill.cli_args import add_engine_args, engine_config
+from tokenmill.config import EngineConfig
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def add_serve_parser(commands) -> None:
@@ -62,19 +66,30 @@ def _draining_server(config, app, drain_timeout: float):
     return DrainingServer(config)
 
 
+def build_long_lived(build: Callable[[], T]) -> T:
+    """Run `build` with the garbage collector off, then freeze what it made.
+
+    A loaded engine holds about 220k tracked objects (tokenizer, modules, GGUF metadata) for
+    the server's life. Collections during the load rescanned them again and again (about 1 s
+    of start-up), and each full collection while serving took about 90 ms with the GIL held,
+    a stall of every stream."""
+    gc.disable()
+    try:
+        built = build()
+    finally:
+        gc.enable()
+    gc.collect()
+    gc.freeze()
+    return built
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
-
-    from tokenmill.engine.async_llm import AsyncLLM
-    from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.server.app import ServerOptions, build_app
 
     if args.model_tag:
         args.model = args.model_tag
     settings = engine_config(args)
-    engine = AsyncLLM.build(lambda: LLMEngine(settings), stall_timeout=args.engine_stall_timeout)
-    app = build_app(engine, ServerOptions(args.served_model_name, args.api_key,
-                                          args.max_num_waiting, args.max_request_bytes))
+    engine, app = build_long_lived(lambda: _engine_and_app(args, settings))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=5, access_log=False)
     print(f"tokenmill: serving {engine.engine.model_name} on http://{args.host}:{args.port}",
@@ -82,3 +97,13 @@ def run_serve(args: argparse.Namespace) -> int:
     _draining_server(config, app, args.drain_timeout).run()
     return 0
 
+
+def _engine_and_app(args: argparse.Namespace, settings: EngineConfig) -> tuple:
+    from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.server.app import ServerOptions, build_app
+
+    engine = AsyncLLM.build(lambda: LLMEngine(settings), stall_timeout=args.engine_stall_timeout)
+    app = build_app(engine, ServerOptions(args.served_model_name, args.api_key,
+                                          args.max_num_waiting, args.max_request_bytes))
+    return engine, app

@@ -37,12 +37,16 @@ def test_batch_of_16_equals_one_at_a_time(llm, prompts, one_at_a_time):
     assert_kv_clean(llm)
 
 
-@pytest.mark.parametrize("whole_from", [0, 100], ids=["all-chunked", "long-ones-whole"])
-def test_tiny_prefill_chunks_equal_unchunked(make_llm, prompts, one_at_a_time, whole_from):
+@pytest.mark.parametrize("whole_from, idle", [(0, 0), (100, 0), (0, 96)],
+                         ids=["all-chunked", "long-ones-whole", "idle-steps-larger"])
+def test_tiny_prefill_chunks_equal_unchunked(make_llm, prompts, one_at_a_time, whole_from,
+                                             idle):
     """whole_from: prompts of at least this many tokens are prefilled in one step, past the
-    24-token budget, beside the chunks and decodes of the others."""
-    llm = make_llm(max_prefill_chunk=7, max_num_batched_tokens=24,
-                   unchunked_prefill_min=whole_from)
+    24-token budget, beside the chunks and decodes of the others. idle: the budget of steps
+    in which nothing decodes yet (prompts whole up to it)."""
+    llm = make_llm(max_num_batched_tokens=24, unchunked_prefill_min=whole_from,
+                   idle_batched_tokens=idle,
+                   **({"max_prefill_chunk": 7} if not idle else {}))
     assert token_ids(llm.generate(prompts, GREEDY)) == one_at_a_time
     assert_kv_clean(llm)
 

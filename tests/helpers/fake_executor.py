@@ -156,15 +156,21 @@ class Harness:
         self.scheduled.append(out)
         counts = out.num_scheduled_tokens
         assert out.total_num_scheduled_tokens == sum(counts.values())
-        whole_from = config.unchunked_prefill_min or config.max_num_batched_tokens + 1
-        if out.total_num_scheduled_tokens > config.max_num_batched_tokens:
+        budget, cap = config.max_num_batched_tokens, config.chunk_cap
+        if budget < config.idle_batched_tokens and \
+                not any(r.num_output_tokens for r in running_before):
+            # no stream decoding: the idle budget, and a chunk may take all of it
+            budget = config.idle_batched_tokens
+            cap = min(config.max_prefill_chunk or budget, budget)
+        whole_from = config.unchunked_prefill_min or budget + 1
+        if out.total_num_scheduled_tokens > budget:
             # only a whole long prompt may pass the budget, and it ends the step
             last = list(counts.values())[-1]
             assert last >= whole_from
-            assert out.total_num_scheduled_tokens - last < config.max_num_batched_tokens
+            assert out.total_num_scheduled_tokens - last < budget
         assert len(counts) <= config.max_num_seqs and len(sched.running) <= config.max_num_seqs
         assert set(counts) <= {r.request_id for r in sched.running}
-        assert all(1 <= n <= config.chunk_cap or n >= whole_from for n in counts.values())
+        assert all(1 <= n <= cap or n >= whole_from for n in counts.values())
         for data in out.new_requests:
             if data.request_id not in self.admitted:
                 self.admitted.append(data.request_id)

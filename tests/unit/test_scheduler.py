@@ -53,7 +53,7 @@ def test_chunk_cap_splits_a_long_prompt():
 
 
 def test_token_budget_splits_prompts_across_requests():
-    h = Harness(max_num_batched_tokens=16)
+    h = Harness(max_num_batched_tokens=16, idle_batched_tokens=0)
     h.add(make_request("a", prompt(4, 10), 3, 0.0), make_request("b", prompt(5, 10), 3, 1.0))
     first = h.step()
     assert first.num_scheduled_tokens == {"a": 10, "b": 6}
@@ -80,6 +80,20 @@ def test_decodes_keep_running_while_a_long_prompt_is_chunked():
         chunks.append(out.num_scheduled_tokens["long"])
     assert chunks == [13] * 7 + [9]                   # budget 16 minus three decodes
     assert all(len(h.outputs[r.request_id]) == 1 + len(chunks) for r in shorts)
+    h.run()
+    h.check_outputs()
+    h.check_end()
+
+
+def test_prompts_share_one_larger_step_while_none_decodes():
+    h = Harness(max_num_batched_tokens=16, idle_batched_tokens=40, max_num_seqs=8)
+    h.add(*[make_request(r, prompt(i, n), 30, float(i))
+            for i, (r, n) in enumerate([("a", 10), ("b", 10), ("c", 10), ("d", 15)])])
+    assert h.step().num_scheduled_tokens == {"a": 10, "b": 10, "c": 10, "d": 10}
+    # a, b and c now decode: back to the budget of 16
+    assert h.step().num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 5}
+    h.add(make_request("e", prompt(9, 30), 2, 9.0))
+    assert h.step().num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 1, "e": 12}
     h.run()
     h.check_outputs()
     h.check_end()
@@ -190,7 +204,7 @@ def test_high_priority_arrival_preempts_lower_priority_runner(policy):
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_abort_waiting_and_running_requests_frees_everything(prefix_cache):
     h = Harness(num_blocks=16, prefix_cache=prefix_cache, max_num_seqs=2,
-                max_num_batched_tokens=8)
+                max_num_batched_tokens=8, idle_batched_tokens=0)
     h.add(make_request("decoding", prompt(1, 4), 50, 0.0),
           make_request("prefilling", prompt(2, 30), 5, 1.0),
           make_request("waiting", prompt(3, 6), 5, 2.0))
@@ -319,6 +333,7 @@ def workloads(draw):
         max_num_seqs=draw(st.integers(1, 5)),
         max_prefill_chunk=draw(st.none() | st.integers(1, 16)),
         unchunked_prefill_min=draw(st.integers(0, MAX_MODEL_LEN)),
+        idle_batched_tokens=draw(st.integers(0, 2 * MAX_MODEL_LEN)),
         policy=draw(st.sampled_from(["fcfs", "priority", "lpm"])))
     requests = []
     for i in range(draw(st.integers(1, 8))):

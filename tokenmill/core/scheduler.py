@@ -6,7 +6,9 @@ requests are admitted while budget, `max_num_seqs` and KV blocks allow. When blo
 the lowest-priority, latest-arrived running request is preempted: its blocks are freed (its
 full blocks stay in the prefix cache) and it is recomputed from its tokens when it resumes.
 With `unchunked_prefill_min`, a prompt with that many tokens left is computed in one step,
-whatever the budget.
+whatever the budget. While no running request has output yet, the budget (and a chunk's cap,
+unless `max_prefill_chunk` is set) is `idle_batched_tokens`: no stream is decoding, so
+prompts that arrive together need not be spread over short steps.
 
 Pure Python over ints and lists: no torch, no model.
 """
@@ -28,11 +30,16 @@ _LPM_MAX_QUEUE = 128   # longer queues: FCFS, sorting by prefix would cost more 
 _LPM_MAX_SKIPS = 32    # a request passed over this often by later arrivals goes first
 
 
+def _is_prefilling(request: Request) -> bool:
+    return request.num_tokens - request.num_computed_tokens > 1
+
+
 class _StepPlan:
     """What one schedule() call has decided so far."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, chunk_cap: int) -> None:
         self.budget = budget
+        self.chunk_cap = chunk_cap
         self.num_tokens: dict[str, int] = {}
         self.new_blocks: dict[str, list[int]] = {}
         self.new_requests: list[Request] = []
@@ -101,26 +108,37 @@ class Scheduler:
     # ---- scheduling ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(self.config.max_num_batched_tokens)
+        plan = _StepPlan(*self._step_limits())
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
         return self._emit(plan)
 
-    def _chunk(self, request: Request, budget: int) -> int:
+    def _step_limits(self) -> tuple[int, int]:
+        """(token budget, one request's chunk cap) for this step."""
+        config = self.config
+        idle = config.idle_batched_tokens
+        if idle > config.max_num_batched_tokens and not any(
+                r.num_output_tokens for r in self.running):
+            return idle, min(config.max_prefill_chunk or idle, idle)
+        return config.max_num_batched_tokens, config.chunk_cap
+
+    def _chunk(self, request: Request, plan: _StepPlan) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
         whole_from = self.config.unchunked_prefill_min
         if whole_from and remaining >= whole_from:
             return remaining   # past the budget: the step ends with this request
-        return min(remaining, self.config.chunk_cap, budget)
+        return min(remaining, plan.chunk_cap, plan.budget)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        for request in list(self.running):
+        # Decodes first: a prompt admitted in an idle step may still be prefilling when
+        # requests admitted with it already decode, and its chunk must not starve them.
+        for request in sorted(self.running, key=_is_prefilling):
             if plan.budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk(request, plan.budget)
+            num_new = self._chunk(request, plan)
             if num_new <= 0:
                 continue
             blocks = self._allocate_or_preempt(request, num_new, plan)
@@ -214,7 +232,7 @@ class Scheduler:
         match = self.kv.lookup(request, source) if source or self.kv.prefix_cache else NO_MATCH
         num_cached = match.num_tokens(self.kv.block_size)
         request.num_computed_tokens = num_cached
-        num_new = self._chunk(request, plan.budget)
+        num_new = self._chunk(request, plan)
         blocks = self.kv.allocate(request, num_new, match)
         if blocks is None:
             request.num_computed_tokens = 0

@@ -109,11 +109,11 @@ class SchedulerConfig:
                                       "left to compute in one step, past the token budget: "
                                       "running streams stall once for it instead of once per "
                                       "chunk (0: chunk every prompt)")
-    # 2048: the budget keeps steps short for the streams that are decoding; when none is,
-    # there is nothing to stall. Eight 128-token prompts arriving together then took four
-    # 256-token steps, and the first ones admitted waited 0.45 s a token through the others'
-    # chunks: long_interference's streams had ITL p99 of 98-227 ms from those gaps alone.
-    idle_batched_tokens: int = _opt(2048, "token budget of a step in which no running request "
+    # Off by default: measured in interleaved rounds (docs/benchmarks.md, seventh session),
+    # 2048 raised random's TTFT p50 from 1.22 to 2.71 s and its tok/s fell 150 -> 139; the
+    # long_interference streams' ITL p99 it was meant to cut did not fall (83-223 against
+    # 78-101 ms); shared_prefix gained 5%.
+    idle_batched_tokens: int = _opt(0, "token budget of a step in which no running request "
                                     "has output yet (none decoding to stall): prompts that "
                                     "arrive together share one larger step (0: always "
                                     "max_num_batched_tokens)")

@@ -6,9 +6,9 @@ requests are admitted while budget, `max_num_seqs` and KV blocks allow. When blo
 the lowest-priority, latest-arrived running request is preempted: its blocks are freed (its
 full blocks stay in the prefix cache) and it is recomputed from its tokens when it resumes.
 With `unchunked_prefill_min`, a prompt with that many tokens left is computed in one step,
-whatever the budget. While no running request has output yet, the budget (and a chunk's cap,
-unless `max_prefill_chunk` is set) is `idle_batched_tokens`: no stream is decoding, so
-prompts that arrive together need not be spread over short steps.
+whatever the budget. With `idle_batched_tokens` (off by default), a step in which no running
+request has output yet takes that budget (and chunk cap, unless `max_prefill_chunk` is set):
+no stream is decoding, so prompts that arrive together may share one step.
 
 Pure Python over ints and lists: no torch, no model.
 """

@@ -45,8 +45,7 @@ def test_tiny_prefill_chunks_equal_unchunked(make_llm, prompts, one_at_a_time, w
     24-token budget, beside the chunks and decodes of the others. idle: the budget of steps
     in which nothing decodes yet (prompts whole up to it)."""
     llm = make_llm(max_num_batched_tokens=24, unchunked_prefill_min=whole_from,
-                   idle_batched_tokens=idle,
-                   **({"max_prefill_chunk": 7} if not idle else {}))
+                   idle_batched_tokens=idle, max_prefill_chunk=None if idle else 7)
     assert token_ids(llm.generate(prompts, GREEDY)) == one_at_a_time
     assert_kv_clean(llm)
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings, strategies as st
 
+from tests.helpers.gil import longest_stall_beside
 from tokenmill.kernels.huge_pages import HUGE_PAGE, huge_pages_supported
 from tokenmill.layers.cpu_gemv import GEMV_COMPACT_MAX_ROWS, GEMV_MAX_ROWS, load_kernel
 from tokenmill.layers.linear import Linear, onednn_available
@@ -29,6 +30,16 @@ def test_kernel_matches_f_linear(rows, in_features, panels, seed):
     got = kernel.gemv_linear(x, kernel.pack_gemv_weight(weight))
     torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-4,
                                atol=1e-4 * in_features ** 0.5)
+
+
+def test_kernel_lets_other_threads_run():
+    """The server's event loop streams tokens while the engine thread is inside a kernel."""
+    kernel = load_kernel()
+    packed = kernel.pack_gemv_weight(torch.randn(4096, 4096))
+    x = torch.randn(GEMV_MAX_ROWS, 4096)
+    duration, stall = longest_stall_beside(lambda: [kernel.gemv_linear(x, packed)
+                                                    for _ in range(3)])
+    assert stall < duration / 4, (stall, duration)
 
 
 @settings(max_examples=30, deadline=None)

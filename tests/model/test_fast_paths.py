@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.gil import longest_stall_beside
 from tests.helpers.oracle import assert_kv_clean
 from tokenmill.attention.cpu_paged import load_kernel
 from tokenmill.layers.cpu_fused import load_kernel as load_fused_kernel
@@ -152,3 +153,24 @@ def test_decode_loop_rejects_bad_steps_before_touching_the_cache(llm):
         step(0, caches[:-2])
     assert all(torch.equal(a, b) for a, b in zip(before, caches[:2]))
     assert_kv_clean(llm)
+
+
+def test_decode_loop_lets_other_threads_run(llm):
+    """A whole decode step is one C++ call: it must let the server's event loop run, or a
+    token waits for the next step before it is streamed. Own small caches: the engine's are
+    left alone."""
+    model = llm.engine.core.worker.runner.model.model
+    plan = model.decode_plan
+    if plan is None:
+        pytest.skip("the decode plan needs the C++ kernels")
+    k_cache = llm.engine.core.worker.runner.kv_caches[0][0]
+    caches = [torch.zeros(2, *k_cache.shape[1:]) for _ in range(2 * plan.num_layers)]
+    rows, dim = 256, k_cache.shape[3]
+    hidden = torch.randn(rows, model.norm.weight.shape[0])
+    cos, sin = torch.ones(rows, dim), torch.zeros(rows, dim)
+    table = torch.zeros(rows, 1, dtype=torch.int64)
+    lens, slots = torch.ones(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
+    duration, stall = longest_stall_beside(lambda: plan.loop.decode_layers(
+        hidden, plan.weights(rows), caches, cos, sin, slots, table, lens, plan.eps, plan.heads,
+        plan.kv_heads, plan.scale, -1, plan.entry_points))
+    assert stall < duration / 4, (stall, duration)

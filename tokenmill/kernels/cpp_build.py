@@ -32,9 +32,25 @@ ENTRY_POINTS = Path(__file__).with_name("entry_points.h")   # kernels called fro
 WORK_SHARING = Path(__file__).with_name("work_sharing.h")   # threads take chunks of a range
 
 
+# Functions that take or return Python objects (the entry-point capsules) keep the GIL.
+HOLDS_GIL = ("entry_points",)
+
+
+def python_bindings(functions: list[str], keep_gil: tuple[str, ...]) -> str:
+    """The module's bindings. Every function not in `keep_gil` runs with the GIL released
+    (pybind converts its tensor arguments first): a kernel that held it for a whole forward
+    pass kept the server's event loop from sending tokens until the next step had run."""
+    lines = ["PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {"]
+    for function in functions:
+        wrap = "wrap_pybind_function" if function in keep_gil else "wrap_pybind_function_no_gil"
+        lines.append(f'  m.def("{function}", torch::{wrap}({function}), "{function}");')
+    return "\n".join(lines + ["}", ""])
+
+
 def compile_cpu_extension(prefix: str, source: Path, functions: list[str], name: str,
                           fallback: str, extra_cflags: tuple[str, ...] = (),
-                          headers: tuple[Path, ...] = ()) -> ModuleType | None:
+                          headers: tuple[Path, ...] = (),
+                          keep_gil: tuple[str, ...] = HOLDS_GIL) -> ModuleType | None:
     """The compiled module exposing `functions`, or None if it cannot be built (one warning
     naming the kernel, its fallback and the first line of the error). `headers` are put in
     front of the source text, so a change to them rebuilds the kernel."""
@@ -42,7 +58,8 @@ def compile_cpu_extension(prefix: str, source: Path, functions: list[str], name:
         from torch.utils.cpp_extension import load_inline
         return load_inline(name=f"{prefix}_{_cpu_features_key()}",
                            cpp_sources=["".join(h.read_text() for h in headers)
-                                        + source.read_text()], functions=functions,
+                                        + source.read_text()
+                                        + python_bindings(functions, keep_gil)],
                            extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
                            extra_ldflags=["-fopenmp"])
     except Exception as error:  # no compiler, no ninja, a build error: the caller falls back
@@ -61,6 +78,7 @@ class CpuExtension:
     fallback: str
     extra_cflags: tuple[str, ...] = ()
     headers: tuple[Path, ...] = ()
+    keep_gil: tuple[str, ...] = HOLDS_GIL
     _module: ModuleType | None = field(default=None, init=False, repr=False)
     _tried: bool = field(default=False, init=False, repr=False)
 
@@ -70,6 +88,6 @@ class CpuExtension:
             self._tried = True
             self._module = compile_cpu_extension(self.prefix, self.source, self.functions,
                                                  self.name, self.fallback, self.extra_cflags,
-                                                 self.headers)
+                                                 self.headers, self.keep_gil)
         return self._module
 

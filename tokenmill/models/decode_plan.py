@@ -30,7 +30,7 @@ from tokenmill.layers.rotary import RopeTables
 
 LOOP = CpuExtension("tokenmill_decode_plan", Path(__file__).with_name("decode_plan_kernel.cpp"),
                     ["decode_layers"], "C++ decode loop", "the layer modules",
-                    headers=(ENTRY_POINTS,))
+                    headers=(ENTRY_POINTS,), keep_gil=("decode_layers",))  # it lets go itself
 
 
 class _Layer(NamedTuple):

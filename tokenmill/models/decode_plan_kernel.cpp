@@ -75,6 +75,9 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
   const int64_t n = hidden.size(0), dim = cos.size(1), qk_width = (heads + kv_heads) * dim;
   check_step(weights, caches, hidden, slot_mapping, kv_heads, dim);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  // The capsules are read: the layers need no Python, so the server's event loop runs beside
+  // them. Declared after the arguments, so the GIL is back before the capsules are released.
+  pybind11::gil_scoped_release no_gil;
   torch::Tensor residual = hidden.new_empty({0});   // the first norm has no residual to add
   for (size_t layer = 0; layer < caches.size() / 2; ++layer) {
     const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;

@@ -82,6 +82,10 @@ CASES = [  # (seq_lens, kv_heads, groups, shared prefix, sliding window)
     ([129, 500, 64], 3, 3, 0, None),
     ([1000], 3, 3, 0, 333),                 # a window starting inside a block
     ([800, 790], 2, 5, 512, 100),
+    # two requests per thread or more: only contexts over 64 blocks are cut, longest slices first
+    ([3000] + [130 + 20 * i for i in range(8)], 3, 3, 0, None),
+    ([1024, 1025, 3, 2049, 77], 2, 1, 0, None),      # slice edges at and just past 64 blocks
+    ([2500, 1100, 40, 60], 3, 3, 0, 1500),           # a window over two slices' worth
 ]
 
 
@@ -135,6 +139,22 @@ def test_sliced_contexts_match_reference(seq_lens, window, threads):
     """Few requests, so contexts are cut into slices: any lengths, windows and thread counts
     (the slice count depends on them) give the reference's output."""
     gen = torch.Generator().manual_seed(sum(seq_lens) * 7 + (window or 0))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_matches_reference(gen, 3, 3, random_decode_batch(gen, seq_lens, 0), seq_lens,
+                                 window)
+    finally:
+        torch.set_num_threads(before)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seq_lens=st.lists(st.integers(1, 1600), min_size=4, max_size=8),
+       window=st.one_of(st.none(), st.integers(1, 1200)), threads=st.sampled_from([1, 2]))
+def test_long_contexts_among_many_requests_match_reference(seq_lens, window, threads):
+    """Enough requests that each is one work item, except contexts over 64 blocks, which are
+    cut into slices and merged: any mix of lengths and windows gives the reference's output."""
+    gen = torch.Generator().manual_seed(sum(seq_lens) * 11 + (window or 0))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, GEMV_MAX_ROWS + 8), in_features=st.integers(1, 700),
+@given(rows=st.integers(1, 392), in_features=st.integers(1, 700),
        panels=st.integers(1, 24), seed=st.integers(0, 2**16))
 def test_kernel_matches_f_linear(rows, in_features, panels, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -36,7 +36,7 @@ def test_kernel_lets_other_threads_run():
     """The server's event loop streams tokens while the engine thread is inside a kernel."""
     kernel = load_kernel()
     packed = kernel.pack_gemv_weight(torch.randn(4096, 4096))
-    x = torch.randn(GEMV_MAX_ROWS, 4096)
+    x = torch.randn(384, 4096)
     duration, stall = longest_stall_beside(lambda: [kernel.gemv_linear(x, packed)
                                                     for _ in range(3)])
     assert stall < duration / 4, (stall, duration)

@@ -11,7 +11,8 @@ runs, oneDNN's packed GEMM -> this kernel: M = 1: 20 -> 14 ms (memory bandwidth)
 (kernels/work_sharing.h), the 120 GEMMs against oneDNN, medians, same process: M = 128:
 173 -> 204 ms (157 against 133 GFLOP/s); M = 256: 374 -> 404; M = 384: 607 -> 663; M = 512:
 even; M = 1024: oneDNN 3% faster. With a busy-loop competitor on one core (2 ms of every 10),
-M = 256: 410 against 456 ms. Above GEMV_MAX_ROWS oneDNN takes the step.
+M = 256: 410 against 456 ms. Those figures are from an AVX2 machine; above GEMV_MAX_ROWS
+(lower with AVX-512, see gemv_max_rows) oneDNN takes the step.
 """
 
 from __future__ import annotations
@@ -22,7 +23,17 @@ import torch
 
 from tokenmill.kernels.cpp_build import ENTRY_POINTS, WORK_SHARING, CpuExtension
 
-GEMV_MAX_ROWS = 384   # the kernel takes steps of at most this many tokens
+
+def gemv_max_rows(capability: str) -> int:
+    """The longest step the kernel takes (oneDNN the longer ones) on a CPU of ATen's
+    `capability`. Its tiles are AVX2; with AVX-512 oneDNN's GEMM is faster from about 24 rows
+    (SmolLM2's 120 GEMMs on a 2-core Xeon: M = 16: 28 against 32 ms; M = 32: 46 against 43;
+    M = 256: 281 against 169), and the decode plan's C++ loop pays for a few rows more."""
+    return 32 if capability.startswith("AVX512") else 384
+
+
+GEMV_MAX_ROWS = gemv_max_rows(torch.backends.cpu.get_cpu_capability())
+
 # Compact panels (gemv_blocks.h) take steps of at most this many tokens, by their dtype; above
 # it the FMAs bound both kinds and the compact ones pay for rebuilding the weights. Streamed
 # from memory, fp32 -> compact panels:

@@ -132,13 +132,11 @@ def test_shared_prefix_rows_with_partial_register_tiles(block_size, head_dim):
     assert_matches_reference(gen, 2, 3, table, seq_lens, None, block_size, head_dim)
 
 
-@settings(max_examples=30, deadline=None)
-@given(seq_lens=st.lists(st.integers(1, 900), min_size=1, max_size=3),
-       window=st.one_of(st.none(), st.integers(1, 400)), threads=st.sampled_from([1, 2, 3]))
-def test_sliced_contexts_match_reference(seq_lens, window, threads):
-    """Few requests, so contexts are cut into slices: any lengths, windows and thread counts
-    (the slice count depends on them) give the reference's output."""
-    gen = torch.Generator().manual_seed(sum(seq_lens) * 7 + (window or 0))
+def assert_batch_matches_reference_on_threads(seq_lens: list[int], window: int | None,
+                                              threads: int, seed: int) -> None:
+    """A batch over a random pool (3 kv heads x 3 groups), the kernel on `threads` threads,
+    whose count decides how contexts are cut."""
+    gen = torch.Generator().manual_seed(seed)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -146,6 +144,16 @@ def test_sliced_contexts_match_reference(seq_lens, window, threads):
                                  window)
     finally:
         torch.set_num_threads(before)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seq_lens=st.lists(st.integers(1, 900), min_size=1, max_size=3),
+       window=st.one_of(st.none(), st.integers(1, 400)), threads=st.sampled_from([1, 2, 3]))
+def test_sliced_contexts_match_reference(seq_lens, window, threads):
+    """Few requests, so contexts are cut into slices: any lengths, windows and thread counts
+    (the slice count depends on them) give the reference's output."""
+    assert_batch_matches_reference_on_threads(seq_lens, window, threads,
+                                              seed=sum(seq_lens) * 7 + (window or 0))
 
 
 @settings(max_examples=25, deadline=None)
@@ -154,14 +162,8 @@ def test_sliced_contexts_match_reference(seq_lens, window, threads):
 def test_long_contexts_among_many_requests_match_reference(seq_lens, window, threads):
     """Enough requests that each is one work item, except contexts over 64 blocks, which are
     cut into slices and merged: any mix of lengths and windows gives the reference's output."""
-    gen = torch.Generator().manual_seed(sum(seq_lens) * 11 + (window or 0))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        assert_matches_reference(gen, 3, 3, random_decode_batch(gen, seq_lens, 0), seq_lens,
-                                 window)
-    finally:
-        torch.set_num_threads(before)
+    assert_batch_matches_reference_on_threads(seq_lens, window, threads,
+                                              seed=sum(seq_lens) * 11 + (window or 0))
 
 
 def test_kernel_rejects_out_of_range_block():

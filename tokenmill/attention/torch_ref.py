@@ -103,9 +103,10 @@ class TorchReferenceBackend:
             mask = causal_mask(span.query_len, span.seq_len, window, query.device)
             causal = False
         # 4-D [1, heads, len, head_dim]: with 3-D inputs torch picks the unfused math path,
-        # 2-4x slower on CPU than its flash kernel for prefill chunk shapes.
+        # 2-4x slower on CPU than its flash kernel for prefill chunk shapes. Contiguous heads:
+        # a 3000-token prompt's prefill took 3.55 s against 3.74 on transposed views (same
+        # tokens and logprobs), the copies included.
         out = F.scaled_dot_product_attention(
-            query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
+            *(x.transpose(0, 1).contiguous().unsqueeze(0) for x in (query, keys, values)),
             attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
         return out[0].transpose(0, 1)

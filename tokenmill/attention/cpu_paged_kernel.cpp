@@ -378,10 +378,12 @@ int64_t slices_per_request(int64_t num, int64_t max_len, int64_t block_size, int
   return std::max<int64_t>(1, std::min(wanted, blocks / kMinSliceBlocks));
 }
 
-// One (request, slice) of the per-request route: blocks [b0, b1) of its table; its partial
-// softmax state goes to part `part` (merged with the request's other parts when it has any).
+// One (request, slice) of the per-request route: context positions [start, stop), on block
+// boundaries but for the window's first; its partial softmax state goes to part `part`, merged
+// with the request's other parts unless it is the request's only (`whole`) slice.
 struct Slice {
-  int64_t request, b0, b1, part;
+  int64_t request, start, stop, part;
+  bool whole;
 };
 
 // Every request's slices, longest first, so the long ones are not left for the end.
@@ -398,13 +400,16 @@ std::vector<Slice> decode_slices(const int64_t* lens, int64_t num, int64_t block
     const int64_t blocks = (lens[r] + block_size - 1) / block_size - first_block;
     const int64_t count = num >= 2 * threads ? (blocks + kLongSliceBlocks - 1) / kLongSliceBlocks
                                              : uniform;
-    for (int64_t i = 0; i < count; ++i)
-      slices.push_back({r, first_block + blocks * i / count, first_block + blocks * (i + 1) / count,
-                        first_part[r] + i});
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t b0 = first_block + blocks * i / count;
+      const int64_t b1 = first_block + blocks * (i + 1) / count;
+      slices.push_back({r, std::max(first, b0 * block_size), std::min(lens[r], b1 * block_size),
+                        first_part[r] + i, count == 1});
+    }
     first_part[r + 1] = first_part[r] + count;
   }
   std::stable_sort(slices.begin(), slices.end(), [](const Slice& a, const Slice& b) {
-    return a.b1 - a.b0 > b.b1 - b.b0;
+    return a.stop - a.start > b.stop - b.start;
   });
   return slices;
 }
@@ -797,17 +802,13 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
     auto& [q_buf, scores, acc] = scratch;
     for (int64_t i = begin; i < end; ++i) {
       const Slice& slice = slices[i];
-      const int64_t r = slice.request, len = lens[r];
-      const bool whole = first_part[r + 1] - first_part[r] == 1;
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      const int64_t start = std::max(first, slice.b0 * s.block_size);
-      const int64_t stop = std::min(len, slice.b1 * s.block_size);
+      const int64_t r = slice.request;
       float* mx = part_max.data() + slice.part * rows;
       float* sm = part_sum.data() + slice.part * rows;
-      float* a = whole ? acc.data() : part_acc.data() + slice.part * rows * s.dim;
-      attend(q + r * rows * s.dim, kc, vc, table + r * s.max_blocks, start, stop, fscale, s,
-             q_buf.data(), scores.data(), a, mx, sm);
-      if (whole) normalize(a, sm, rows, s.dim, o + r * rows * s.dim);
+      float* a = slice.whole ? acc.data() : part_acc.data() + slice.part * rows * s.dim;
+      attend(q + r * rows * s.dim, kc, vc, table + r * s.max_blocks, slice.start, slice.stop,
+             fscale, s, q_buf.data(), scores.data(), a, mx, sm);
+      if (slice.whole) normalize(a, sm, rows, s.dim, o + r * rows * s.dim);
     }
   });
   // few requests or few long ones, and tiny work: no second fork

@@ -2,8 +2,9 @@
 
 The engine thread owns the engine outright: asyncio code never touches it, it only posts
 commands (add / abort) into a thread-safe queue. Outputs go back per request through
-loop.call_soon_threadsafe into asyncio queues. torch releases the GIL inside its kernels, so the
-event loop keeps answering HTTP while the engine steps at full speed.
+loop.call_soon_threadsafe into asyncio queues. torch and tokenmill's C++ kernels (decode loop
+included, kernels/cpp_build.py) release the GIL, so the event loop answers HTTP and streams the
+last step's tokens while the engine computes the next.
 
 `AsyncLLM.build` also loads the model on that thread. Measured here: oneDNN's packed linears run
 at about half speed on a thread other than the one that first ran OpenMP work in the process

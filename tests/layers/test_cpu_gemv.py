@@ -4,6 +4,8 @@ to oneDNN."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -208,3 +210,45 @@ def test_hybrid_linear_takes_compact_panels_for_short_steps_only():
         x = torch.randn(rows, 128, generator=gen)
         assert torch.equal(layers[True](x), layers[False](x)), rows
         torch.testing.assert_close(layers[True](x), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+
+
+@contextmanager
+def avx2_tiles():
+    """The kernel on its AVX2 tiles, for a comparison on a CPU that has AVX-512 ones."""
+    kernel = load_kernel()
+    default = kernel.gemv_use_avx512(True)
+    kernel.gemv_use_avx512(False)
+    try:
+        yield kernel
+    finally:
+        kernel.gemv_use_avx512(default)
+
+
+AVX512_TILES = load_kernel() is not None and load_kernel().gemv_use_avx512(True)
+
+
+@pytest.mark.skipif(not AVX512_TILES, reason="the kernel was built without AVX-512 here")
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 160), blocks=st.integers(1, 20), tail=st.integers(0, 31),
+       panels=st.integers(1, 24), fmt=st.sampled_from(["fp32", *FORMATS]),
+       seed=st.integers(0, 2**16))
+@example(rows=40, blocks=9, tail=5, panels=7, fmt="fp32", seed=0)   # 4 row groups, 3 slices
+@example(rows=90, blocks=2, tail=0, panels=3, fmt="fp32", seed=1)   # 8: no spread prefetch
+@example(rows=24, blocks=18, tail=0, panels=5, fmt="q4_1", seed=2)  # compact, two groups
+def test_avx512_tiles_give_bitwise_the_avx2_tiles_output(rows, blocks, tail, panels, fmt, seed):
+    # Where the build has AVX-512 the kernel takes its own tiles (bigger, another row
+    # grouping, other prefetches); each output must still be the same FMAs in the same
+    # order, so the two must agree bit for bit, and greedy output cannot depend on the CPU.
+    gen = torch.Generator().manual_seed(seed)
+    kernel = load_kernel()
+    if fmt == "fp32":
+        in_features = blocks * 32 + tail
+        packed = kernel.pack_gemv_weight(torch.randn(panels * 16, in_features, generator=gen))
+    else:
+        make, packer, _ = FORMATS[fmt]
+        in_features = blocks * 32
+        packed = getattr(kernel, packer)(make(gen, panels * 16, in_features))
+    x = torch.randn(rows, in_features, generator=gen)
+    got = kernel.gemv_linear(x, packed)
+    with avx2_tiles():
+        assert torch.equal(got, kernel.gemv_linear(x, packed))

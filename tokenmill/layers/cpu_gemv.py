@@ -11,8 +11,9 @@ runs, oneDNN's packed GEMM -> this kernel: M = 1: 20 -> 14 ms (memory bandwidth)
 (kernels/work_sharing.h), the 120 GEMMs against oneDNN, medians, same process: M = 128:
 173 -> 204 ms (157 against 133 GFLOP/s); M = 256: 374 -> 404; M = 384: 607 -> 663; M = 512:
 even; M = 1024: oneDNN 3% faster. With a busy-loop competitor on one core (2 ms of every 10),
-M = 256: 410 against 456 ms. Those figures are from an AVX2 machine; above GEMV_MAX_ROWS
-(lower with AVX-512, see gemv_max_rows) oneDNN takes the step.
+M = 256: 410 against 456 ms. Those figures are from an AVX2 machine, with the AVX2 tiles;
+where the build has AVX-512, its own tiles (gemv_avx512.h) take the steps, bitwise the same.
+Above GEMV_MAX_ROWS (see gemv_max_rows) oneDNN takes the step.
 """
 
 from __future__ import annotations
@@ -26,31 +27,43 @@ from tokenmill.kernels.cpp_build import ENTRY_POINTS, WORK_SHARING, CpuExtension
 
 def gemv_max_rows(capability: str) -> int:
     """The longest step the kernel takes (oneDNN the longer ones) on a CPU of ATen's
-    `capability`. Its tiles are AVX2; with AVX-512 oneDNN's GEMM is faster from about 24 rows
-    (SmolLM2's 120 GEMMs on a 2-core Xeon: M = 16: 28 against 32 ms; M = 32: 46 against 43;
-    M = 256: 281 against 169), and the decode plan's C++ loop pays for a few rows more."""
-    return 32 if capability.startswith("AVX512") else 384
+    `capability`. SmolLM2's 120 layer GEMMs on a 2-core Xeon, this kernel's AVX-512 tiles
+    against oneDNN: M = 32: 31.6 against 43.8 ms; M = 96: 82.7 against 91.2; M = 128: even
+    (106 against 110, then 108 against 108); M = 192: 166 against 146. On an AVX2 machine its
+    AVX2 tiles beat oneDNN up to 384 rows."""
+    return 128 if capability.startswith("AVX512") else 384
 
 
-GEMV_MAX_ROWS = gemv_max_rows(torch.backends.cpu.get_cpu_capability())
+def gemv_compact_max_rows(capability: str) -> dict[torch.dtype, int]:
+    """The longest step that takes compact panels (gemv_blocks.h) by their dtype; above it the
+    FMAs bound both kinds and the compact ones pay for rebuilding the weights.
 
-# Compact panels (gemv_blocks.h) take steps of at most this many tokens, by their dtype; above
-# it the FMAs bound both kinds and the compact ones pay for rebuilding the weights. Streamed
-# from memory, fp32 -> compact panels:
-# - SmolLM2's 210 layer linears (Q4_1): M = 1: 13.3 -> 5.1 ms; M = 2: 13.7 -> 6.6; M = 4:
-#   16.0 -> 8.1; M = 8: 17.7 -> 15.6; M = 10: 18.5-20.5 -> 17.5-18.6; M = 12 even.
-# - its lm_head (Q8_0): M = 1: 4.0 -> 1.4 ms; M = 4: 4.5 -> 2.5. From 7 rows the Q8_0 panels
-#   run in half-panel tiles (cpu_gemv_kernel.cpp), medians of 9, same process: M = 7: 4.76 ->
-#   3.83 ms; M = 8: 5.01 -> 4.27; M = 10: 4.51 -> 4.45; M = 12: 6.13 -> 5.60.
-GEMV_COMPACT_MAX_ROWS = {torch.uint8: 10, torch.int8: 12}
+    AVX2, streamed from memory, fp32 -> compact panels:
+    - SmolLM2's 210 layer linears (Q4_1): M = 1: 13.3 -> 5.1 ms; M = 2: 13.7 -> 6.6; M = 4:
+      16.0 -> 8.1; M = 8: 17.7 -> 15.6; M = 10: 18.5-20.5 -> 17.5-18.6; M = 12 even.
+    - its lm_head (Q8_0): M = 1: 4.0 -> 1.4 ms; M = 4: 4.5 -> 2.5. From 7 rows the Q8_0
+      panels run in half-panel tiles (cpu_gemv_kernel.cpp), medians of 9, same process:
+      M = 7: 4.76 -> 3.83 ms; M = 8: 5.01 -> 4.27; M = 10: 4.51 -> 4.45; M = 12: 6.13 -> 5.60.
+    AVX-512 tiles (2-core Xeon), best of 7: the 120 layer GEMMs (Q4_1): M = 8: 16.6 -> 9.9
+    ms; M = 16: 21.4 -> 18.0; M = 24: 25.7 -> 23.8. The lm_head (Q8_0), best of 9: M = 16:
+    4.48 -> 3.39 ms; M = 32: 7.41 -> 6.70."""
+    if capability.startswith("AVX512"):
+        return {torch.uint8: 24, torch.int8: 32}
+    return {torch.uint8: 10, torch.int8: 12}
+
+
+_CAPABILITY = torch.backends.cpu.get_cpu_capability()
+GEMV_MAX_ROWS = gemv_max_rows(_CAPABILITY)
+GEMV_COMPACT_MAX_ROWS = gemv_compact_max_rows(_CAPABILITY)
 PANEL = 16            # out_features must be a multiple of this
 
 BLOCK_FORMATS = Path(__file__).with_name("gemv_blocks.h")   # the compact panels
+AVX512_TILES = Path(__file__).with_name("gemv_avx512.h")
 KERNEL = CpuExtension("tokenmill_cpu_gemv", Path(__file__).with_name("cpu_gemv_kernel.cpp"),
                       ["pack_gemv_weight", "pack_gemv_q4", "pack_gemv_q8", "gemv_linear",
-                       "entry_points"], "cpu_gemv linear kernel",
+                       "gemv_use_avx512", "entry_points"], "cpu_gemv linear kernel",
                       "oneDNN at every batch size",
-                      headers=(ENTRY_POINTS, WORK_SHARING, BLOCK_FORMATS))
+                      headers=(ENTRY_POINTS, WORK_SHARING, BLOCK_FORMATS, AVX512_TILES))
 load_kernel = KERNEL.load
 
 

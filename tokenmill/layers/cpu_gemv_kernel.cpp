@@ -19,6 +19,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -325,6 +326,32 @@ static bool matches(const torch::Tensor& packed, int64_t k_len) {
          packed.size(1) == k_len / gemv_blocks::kSteps * F::kBlockBytes;
 }
 
+// Which tiles gemv_linear takes: the AVX-512 ones (layers/gemv_avx512.h) where the build has
+// them, else the AVX2 ones above. Both give bitwise the same output; tests switch between them.
+static std::atomic<bool> use_avx512{gemv_avx512::kAvailable};
+
+bool gemv_use_avx512(bool on) {
+  use_avx512 = on && gemv_avx512::kAvailable;
+  return use_avx512;
+}
+
+static void avx512_linear(int64_t m, const float* x, int64_t k_len, const torch::Tensor& packed,
+                          float* y, int64_t n) {
+#if defined(__AVX512F__)
+  const int64_t panels = packed.size(0);
+  switch (packed.scalar_type()) {
+    case torch::kUInt8:
+      return gemv_avx512::block_linear<gemv_blocks::Q4_1>(
+          m, x, k_len, static_cast<const uint8_t*>(packed.data_ptr()), panels, y, n);
+    case torch::kInt8:
+      return gemv_avx512::block_linear<gemv_blocks::Q8_0>(
+          m, x, k_len, static_cast<const uint8_t*>(packed.data_ptr()), panels, y, n);
+    default:
+      return gemv_avx512::linear(m, x, k_len, packed.data_ptr<float>(), panels, y, n);
+  }
+#endif
+}
+
 torch::Tensor gemv_linear(torch::Tensor x, torch::Tensor packed) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
               "gemv_linear: x must be contiguous 2-D float32");
@@ -342,6 +369,10 @@ torch::Tensor gemv_linear(torch::Tensor x, torch::Tensor packed) {
   if (m == 0 || k_len == 0) return y.zero_();
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (use_avx512) {
+    avx512_linear(m, xp, k_len, packed, yp, n);
+    return y;
+  }
   if (kind == torch::kUInt8 || kind == torch::kInt8) {
     const auto* wp = static_cast<const uint8_t*>(packed.data_ptr());
     if (kind == torch::kUInt8)

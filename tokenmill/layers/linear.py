@@ -6,10 +6,11 @@ Two ways to run them (`linear_backend`):
   oneDNN's packed GEMM. On CPU fp32 this was 1.2-2.5x faster than F.linear for the decode-sized
   batches (M = 1..64) of SmolLM2's shapes and reads the weights at the machine's memory
   bandwidth at M = 1 (the lm_head GEMV: 8.9 -> 4.5 ms); F.linear reached half of it.
-- "hybrid": "onednn", plus our AVX2 kernel (layers/cpu_gemv.py) for steps of at most
-  GEMV_MAX_ROWS tokens (384, or 32 with AVX-512), where it is faster than oneDNN (it streams
-  the weights at memory bandwidth at M = 1 and runs near the FMA peak from M = 16). It keeps a second copy
-  of each weight in the kernel's panel layout: twice the weight memory for the linear layers.
+- "hybrid": "onednn", plus our kernel (layers/cpu_gemv.py; AVX2 or AVX-512 tiles) for steps of
+  at most GEMV_MAX_ROWS tokens (384, or 128 with AVX-512), where it is faster than oneDNN (it
+  streams the weights at memory bandwidth at M = 1 and runs near the FMA peak from M = 16). It
+  keeps a second copy of each weight in the kernel's panel layout: twice the weight memory for
+  the linear layers.
   Weights that are exactly Q4_1 or Q8_0 values (as such a GGUF loads) also get compact panels
   for steps of at most GEMV_COMPACT_MAX_ROWS tokens: the same fp32 values and output, for a
   fifth (Q4_1) or a quarter (Q8_0) of the bytes to stream.

@@ -3,6 +3,8 @@ oracle)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -227,6 +229,53 @@ def test_prefill_kernel_output_is_the_same_on_any_number_of_threads():
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+@contextmanager
+def avx2_tiles():
+    """The kernels on their AVX2 register tiles, on a CPU that has AVX-512 ones."""
+    kernel = load_kernel()
+    default = kernel.paged_attention_use_avx512(True)
+    kernel.paged_attention_use_avx512(False)
+    try:
+        yield
+    finally:
+        kernel.paged_attention_use_avx512(default)
+
+
+AVX512_TILES = load_kernel() is not None and load_kernel().paged_attention_use_avx512(True)
+
+
+@pytest.mark.skipif(not AVX512_TILES, reason="the kernel was built without AVX-512 here")
+@settings(max_examples=25, deadline=None)
+@given(cached=st.integers(0, 400), query_len=st.integers(1, 120),
+       groups=st.sampled_from([1, 3, 5]), block_size=st.sampled_from([8, 16, 32]),
+       head_dim=st.sampled_from([40, 64, 128]), seed=st.integers(0, 2**16))
+def test_avx512_tiles_give_bitwise_the_avx2_tiles_output(cached, query_len, groups, block_size,
+                                                         head_dim, seed):
+    # The AVX-512 tiles (12 rows x 16 keys, 6 rows x 64 dims) make the same FMAs in the same
+    # order as the AVX2 ones, so prefill chunks and shared-prefix decodes come out bit for bit
+    # the same on either.
+    gen = torch.Generator().manual_seed(seed)
+    query, _, _, caches, span = random_prefill(gen, cached, query_len, 2, groups, block_size,
+                                               head_dim)
+    kernel, scale = load_kernel(), head_dim ** -0.5
+    shared = (span.seq_len - 1) // block_size   # the context's full blocks, as the prefix
+    decodes = (span.block_table[:shared + 1].repeat(3, 1),    # of three decodes
+               torch.tensor([shared * block_size + 1] * 3), torch.randn(3, *query.shape[1:]))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        prefill_out, decode_out = torch.empty_like(query), torch.empty_like(decodes[2])
+        assert kernel.paged_prefill_attention(prefill_out, query, *caches, span.block_table,
+                                              span.seq_len, scale)
+        table, lens, decode_query = decodes
+        kernel.paged_decode_attention(decode_out, decode_query, *caches, table, lens, scale, -1)
+        return prefill_out, decode_out
+
+    wide = run()
+    with avx2_tiles():
+        narrow = run()
+    assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1])
 
 
 def test_prefill_kernel_leaves_shapes_it_does_not_take_to_the_reference():

@@ -23,7 +23,8 @@ from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.kernels.cpp_build import AVX2_MATH, ENTRY_POINTS, WORK_SHARING, CpuExtension
 
 KERNEL = CpuExtension("tokenmill_cpu_paged", Path(__file__).with_name("cpu_paged_kernel.cpp"),
-                      ["paged_decode_attention", "paged_prefill_attention", "entry_points"],
+                      ["paged_decode_attention", "paged_prefill_attention",
+                       "paged_attention_use_avx512", "entry_points"],
                       "cpu_paged attention kernel", "the torch reference backend",
                       headers=(AVX2_MATH, ENTRY_POINTS, WORK_SHARING))
 load_kernel = KERNEL.load

@@ -24,15 +24,23 @@ from tokenmill.kernels.cpp_build import AVX2_MATH, ENTRY_POINTS, WORK_SHARING, C
 
 KERNEL = CpuExtension("tokenmill_cpu_paged", Path(__file__).with_name("cpu_paged_kernel.cpp"),
                       ["paged_decode_attention", "paged_prefill_attention",
-                       "paged_attention_use_avx512", "entry_points"],
+                       "paged_attention_has_avx512", "paged_attention_use_avx512",
+                       "entry_points"],
                       "cpu_paged attention kernel", "the torch reference backend",
                       headers=(AVX2_MATH, ENTRY_POINTS, WORK_SHARING))
 load_kernel = KERNEL.load
 # A chunk with nothing cached before it needs no gathered copy or mask: SDPA's causal flash
-# kernel skips the masked blocks, and from about 2048 tokens (the one-step long prompts) it
-# beats the paged kernel (30 layers, 3000 tokens: 3.26 against 3.83 s; 1024: 0.46 against
-# 0.39 s, 512: 0.16 against 0.10 s).
+# kernel skips the masked blocks, and on an AVX2 machine from about 2048 tokens (the one-step
+# long prompts) it beat the paged kernel with AVX2 tiles (30 layers, 3000 tokens: 3.26
+# against 3.83 s; 1024: 0.46 against 0.39 s, 512: 0.16 against 0.10 s). With AVX-512 tiles
+# the kernel is faster at every length (2-core Xeon, 3000 tokens: 1.48 against 1.63 s; 2048:
+# 0.65 against 0.83 s), so there it takes them all.
 SDPA_MIN_UNCACHED = 2048
+
+
+def sdpa_min_uncached(kernel) -> int | None:
+    """The shortest uncached chunk that SDPA takes instead of the kernel (None: none)."""
+    return None if kernel is not None and kernel.paged_attention_has_avx512() else SDPA_MIN_UNCACHED
 
 
 class CpuPagedBackend(TorchReferenceBackend):
@@ -43,6 +51,7 @@ class CpuPagedBackend(TorchReferenceBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.kernel = load_kernel()
+        self.sdpa_from = sdpa_min_uncached(self.kernel)
 
     def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -61,7 +70,8 @@ class CpuPagedBackend(TorchReferenceBackend):
     def _prefill(self, query, key, value, k_cache, v_cache, span, window) -> torch.Tensor:
         """query: [query_len, heads, head_dim] of one chunk -> same shape, causal over its
         context, read in place (no gathered copy, no mask tensor)."""
-        uncached_long = span.seq_len == span.query_len >= SDPA_MIN_UNCACHED
+        uncached_long = (self.sdpa_from is not None
+                         and span.seq_len == span.query_len >= self.sdpa_from)
         if (self.kernel is not None and window is None and not uncached_long
                 and query.dtype == torch.float32 and k_cache.dtype == torch.float32
                 and query.device.type == "cpu"):

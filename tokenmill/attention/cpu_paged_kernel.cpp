@@ -472,118 +472,140 @@ std::vector<SharedGroup> find_shared_groups(const int64_t* table, const int64_t*
 }
 
 #ifdef __AVX2__
-// c[r][0 .. NV * 8) = (accumulate ? c[r] : 0) + sum_{i < n} a[r * lda + i] * b[i * ldb + 0 ..]
-// for R rows: rank-1 updates into 2 R NV registers, NV loads of b and R broadcasts of a per i.
-// Scores are q rows against transposed keys; values are probabilities against value rows.
+// The right operand of a rank-1 tile: n rows of floats, row k at
+// segment[k / seg_len] + col + (k % seg_len) * ld. The values of a step's blocks are rows in
+// several blocks of the cache; transposed keys are one segment.
+struct RowSource {
+  const float* const* segment;
+  int seg_len;
+  int64_t ld, col;
+
+  RowSource at(int64_t offset) const { return {segment, seg_len, ld, col + offset}; }
+};
+
+// Walks a RowSource's rows in order, one pointer that jumps at segment ends. (A loop over
+// segments around a loop over their rows made GCC spill every accumulator each row.)
+struct RowCursor {
+  const RowSource& b;
+  const float* row;
+  int segment = 0, left;
+
+  explicit RowCursor(const RowSource& source)
+      : b(source), row(source.segment[0] + source.col), left(source.seg_len) {}
+  // To row k + 1, given that row k < n - 1 was the current one.
+  __attribute__((always_inline)) inline void next() {
+    row += b.ld;
+    if (--left == 0) {
+      row = b.segment[++segment] + b.col;
+      left = b.seg_len;
+    }
+  }
+};
+
+// c[r][0 .. NV * 8) = (accumulate ? c[r] : 0) + sum_{k < n} a[r * lda + k] * b row k, for R
+// rows: rank-1 updates into R NV registers, NV loads of b and R broadcasts of a per k. Scores
+// are q rows against transposed keys; values are probabilities against value rows.
 template <int R, int NV>
-inline void rank1_tile(const float* a, int64_t lda, const float* b, int64_t ldb, int n, float* c,
+inline void rank1_tile(const float* a, int64_t lda, const RowSource& b, int n, float* c,
                        int64_t ldc, bool accumulate) {
   __m256 acc[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j)
       acc[r][j] = accumulate ? _mm256_loadu_ps(c + r * ldc + 8 * j) : _mm256_setzero_ps();
-  for (int i = 0; i < n; ++i) {
+  RowCursor cursor(b);
+  for (int k = 0; k < n; ++k) {
     __m256 bv[NV];
 #pragma GCC unroll 8
     for (int j = 0; j < NV; ++j) {
-      bv[j] = _mm256_loadu_ps(b + i * ldb + 8 * j);
+      bv[j] = _mm256_loadu_ps(cursor.row + 8 * j);
       __asm__("" : "+x"(bv[j]));   // one load per vector of b, not one per FMA
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 av = _mm256_broadcast_ss(a + r * lda + i);
+      const __m256 av = _mm256_broadcast_ss(a + r * lda + k);
       for (int j = 0; j < NV; ++j) acc[r][j] = _mm256_fmadd_ps(av, bv[j], acc[r][j]);
     }
+    if (k + 1 < n) cursor.next();
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) _mm256_storeu_ps(c + r * ldc + 8 * j, acc[r][j]);
 }
 
-// rank1_tile for 1 <= rows <= kRowTile.
-template <int NV>
-inline void rank1_rows(int rows, const float* a, int64_t lda, const float* b, int64_t ldb, int n,
-                       float* c, int64_t ldc, bool accumulate) {
-  using Tile = void (*)(const float*, int64_t, const float*, int64_t, int, float*, int64_t, bool);
-  static constexpr Tile tiles[kRowTile] = {rank1_tile<1, NV>, rank1_tile<2, NV>,
-                                           rank1_tile<3, NV>, rank1_tile<4, NV>,
-                                           rank1_tile<5, NV>, rank1_tile<6, NV>};
-  tiles[rows - 1](a, lda, b, ldb, n, c, ldc, accumulate);
-}
+using Rank1Tile = void (*)(const float*, int64_t, const RowSource&, int, float*, int64_t, bool);
 
 #if defined(__AVX512F__)
 // rank1_tile with NV vectors of 16 floats: c[r][0 .. 16 NV). The same FMAs in the same order
 // per output, so bitwise rank1_tile's result.
 template <int R, int NV>
-inline void rank1_tile16(const float* a, int64_t lda, const float* b, int64_t ldb, int n,
-                         float* c, int64_t ldc, bool accumulate) {
+inline void rank1_tile16(const float* a, int64_t lda, const RowSource& b, int n, float* c,
+                         int64_t ldc, bool accumulate) {
   __m512 acc[R][NV];
-#pragma GCC unroll 12
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j)
       acc[r][j] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16 * j) : _mm512_setzero_ps();
-  for (int i = 0; i < n; ++i) {
+  RowCursor cursor(b);
+  for (int k = 0; k < n; ++k) {
     __m512 bv[NV];
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) {
-      bv[j] = _mm512_loadu_ps(b + i * ldb + 16 * j);
+      bv[j] = _mm512_loadu_ps(cursor.row + 16 * j);
       __asm__("" : "+v"(bv[j]));
     }
-#pragma GCC unroll 12
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      __m512 av = _mm512_set1_ps(a[r * lda + i]);
+      __m512 av = _mm512_set1_ps(a[r * lda + k]);
       __asm__("" : "+v"(av));   // one broadcast live at a time: no accumulator spilled
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(av, bv[j], acc[r][j]);
     }
+    if (k + 1 < n) cursor.next();
   }
-#pragma GCC unroll 12
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(c + r * ldc + 16 * j, acc[r][j]);
 }
-
-// rank1_tile16 for 1 <= rows <= 12.
-template <int NV>
-inline void rank1_rows16(int rows, const float* a, int64_t lda, const float* b, int64_t ldb,
-                         int n, float* c, int64_t ldc, bool accumulate) {
-  using Tile = void (*)(const float*, int64_t, const float*, int64_t, int, float*, int64_t, bool);
-  static constexpr Tile tiles[12] = {
-      rank1_tile16<1, NV>, rank1_tile16<2, NV>, rank1_tile16<3, NV>,  rank1_tile16<4, NV>,
-      rank1_tile16<5, NV>, rank1_tile16<6, NV>, rank1_tile16<7, NV>,  rank1_tile16<8, NV>,
-      rank1_tile16<9, NV>, rank1_tile16<10, NV>, rank1_tile16<11, NV>, rank1_tile16<12, NV>};
-  tiles[rows - 1](a, lda, b, ldb, n, c, ldc, accumulate);
-}
 constexpr bool kWideTiles = true;
 #else
-template <int NV>
-inline void rank1_rows16(int, const float*, int64_t, const float*, int64_t, int, float*, int64_t,
-                         bool) {}
 constexpr bool kWideTiles = false;
 #endif
 
-// The register tiles of attend_rows. AVX2: 6 rows x 16 keys (scores) or 16 dims (values).
-// AVX-512: 12 rows x 16 keys, and 6 rows x 64 dims (for dims a multiple of 64), with twice
-// the work an FMA and no other change to the sums.
+// The register tiles of attend_rows, kRowTile rows against a run of columns: AVX2 tiles of
+// 16 and 8 columns, or with AVX-512 (`wide`) tiles of 64 and 16 first. Any split of the
+// columns makes the same FMAs in the same order per output.
 struct RowTiles {
   bool wide;
-  int score_rows() const { return wide ? 12 : kRowTile; }
-  int value_width(int dim_left) const { return wide && dim_left >= 64 ? 64 : 16; }
 
-  // scores[rows, 16 keys] = q rows [rows, dim] . keys transposed [dim, 16 of bs]
-  void score(int rows, const float* q, int dim, const float* kt, int bs, float* scores) const {
-    if (wide) return rank1_rows16<1>(rows, q, dim, kt, bs, dim, scores, bs, false);
-    rank1_rows<2>(rows, q, dim, kt, bs, dim, scores, bs, false);
+  // c[rows, cols] (+)= a[rows, n] . b [n rows, cols], rows <= kRowTile, cols % 8 == 0.
+  void run(int rows, const float* a, int64_t lda, const RowSource& b, int n, float* c,
+           int64_t ldc, int cols, bool accumulate) const {
+    for (int col = 0; col < cols;) {
+      const int left = cols - col;
+      const int width = wide && left >= 64 ? 64 : wide || left >= 16 ? std::min(left, 16) : 8;
+      pick(rows, width)(a, lda, b.at(col), n, c + col, ldc, accumulate);
+      col += width;
+    }
   }
 
-  // acc[rows, width dims] += scores [rows, len keys] . values [len, width dims]
-  void value(int rows, int width, const float* scores, int bs, const float* v, int64_t stride,
-             int len, float* acc, int dim) const {
-    if (width == 64) return rank1_rows16<4>(rows, scores, bs, v, stride, len, acc, dim, true);
-    if (width == 16) return rank1_rows<2>(rows, scores, bs, v, stride, len, acc, dim, true);
-    rank1_rows<1>(rows, scores, bs, v, stride, len, acc, dim, true);
+  Rank1Tile pick(int rows, int width) const {
+    static constexpr Rank1Tile narrow[2][kRowTile] = {
+        {rank1_tile<1, 1>, rank1_tile<2, 1>, rank1_tile<3, 1>, rank1_tile<4, 1>,
+         rank1_tile<5, 1>, rank1_tile<6, 1>},
+        {rank1_tile<1, 2>, rank1_tile<2, 2>, rank1_tile<3, 2>, rank1_tile<4, 2>,
+         rank1_tile<5, 2>, rank1_tile<6, 2>}};
+#if defined(__AVX512F__)
+    static constexpr Rank1Tile wide_tiles[2][kRowTile] = {
+        {rank1_tile16<1, 1>, rank1_tile16<2, 1>, rank1_tile16<3, 1>, rank1_tile16<4, 1>,
+         rank1_tile16<5, 1>, rank1_tile16<6, 1>},
+        {rank1_tile16<1, 4>, rank1_tile16<2, 4>, rank1_tile16<3, 4>, rank1_tile16<4, 4>,
+         rank1_tile16<5, 4>, rank1_tile16<6, 4>}};
+    if (wide && width >= 16) return wide_tiles[width == 64][rows - 1];
+#endif
+    return narrow[width == 16][rows - 1];
   }
 };
 
@@ -609,19 +631,37 @@ inline void transpose8x8(const float* in, int64_t in_stride, float* out, int out
   }
 }
 
-// One head's rows of a block (`tokens` rows of `dim` floats, `token_stride` apart), to be
-// prefetched in `parts` shares (base null: nothing to fetch).
-struct HeadRows {
-  const float* base;
-  int64_t token_stride;
-  int tokens, dim;
+// attend_rows takes blocks a step at a time, as many as make kStepKeys keys (at least one):
+// one online-softmax update and one pass of the value tiles per step, not per block, and
+// 64-key score tiles. 16-token blocks, 4 a step, 30 layers of SmolLM2's shapes, 512 new tokens
+// over 2560 cached: 623 -> 533 ms with AVX-512 tiles, 739 -> 681 with AVX2 ones (2-core Xeon);
+// 128 keys a step measured no faster.
+constexpr int kStepKeys = 64;
+constexpr int kMaxStepBlocks = kStepKeys / 8;   // block sizes are multiples of 8
+inline int step_blocks(int64_t block_size) {
+  return static_cast<int>(std::max<int64_t>(1, kStepKeys / block_size));
+}
+// Keys of a whole step: the width of attend_rows' scratch (kt [dim, w], scores [rows, w]).
+inline int64_t step_keys(int64_t block_size) { return step_blocks(block_size) * block_size; }
+
+// One head's rows in `count` blocks of a cache (their ids in `blocks`), to be prefetched in
+// `parts` shares (count 0: nothing to fetch).
+struct StepRows {
+  const float* cache;
+  const int64_t* blocks;
+  int count;
+  const Shape& s;
+  int64_t head;
 
   inline void prefetch(int part, int parts) const {
-    if (base == nullptr) return;
-    const int per_row = static_cast<int>(dim * sizeof(float) / 64), lines = tokens * per_row;
-    for (int l = lines * part / parts; l < lines * (part + 1) / parts; ++l)
-      __builtin_prefetch(reinterpret_cast<const char*>(base + (l / per_row) * token_stride) +
-                         (l % per_row) * 64);
+    const int per_row = static_cast<int>(s.dim * sizeof(float) / 64);
+    const int per_block = static_cast<int>(s.block_size) * per_row, lines = count * per_block;
+    for (int l = lines * part / parts; l < lines * (part + 1) / parts; ++l) {
+      const int line = l % per_block;
+      const float* row = cache + blocks[l / per_block] * s.block_stride + head * s.dim +
+                         (line / per_row) * s.token_stride;
+      __builtin_prefetch(reinterpret_cast<const char*>(row) + (line % per_row) * 64);
+    }
   }
 };
 
@@ -633,21 +673,22 @@ struct RowLimits {
 };
 constexpr RowLimits kWholeBlocks{nullptr, std::numeric_limits<int64_t>::max()};
 
-// Scores of keys a row may not see (RowLimits) set to -inf, for block b's `bs` keys.
-inline void mask_block(float* scores, int rows, int bs, int64_t b, RowLimits limits) {
+// Scores of keys a row may not see (RowLimits) set to -inf, for the `width` keys from
+// position `first` (rows `ld` floats apart).
+inline void mask_step(float* scores, int rows, int width, int ld, int64_t first,
+                      RowLimits limits) {
   const float none = -std::numeric_limits<float>::infinity();
-  const int64_t first = b * bs;
   for (int r = 0; r < rows; ++r) {
     int64_t last = std::min<int64_t>(limits.end - 1, limits.pos ? limits.pos[r] : limits.end);
     last = std::max<int64_t>(last - first, -1);
-    if (last < bs - 1) std::fill(scores + r * bs + last + 1, scores + (r + 1) * bs, none);
+    if (last < width - 1) std::fill(scores + r * ld + last + 1, scores + r * ld + width, none);
   }
 }
 
 // `rows` pre-scaled query rows (q, [rows, dim]) of one kv head `h` over the blocks [b0, b1)
 // of `table`, within `limits`; leaves their softmax state in acc [rows, dim], running max and
-// sum. Every row must see the first key of block b0. Scratch: kt [dim, block_size], scores
-// [rows, block_size]. Needs dim, block_size % 8 == 0.
+// sum. Every row must see the first key of block b0. Scratch: kt [dim, step_keys], scores
+// [rows, step_keys]. Needs dim, block_size % 8 == 0.
 void attend_rows(const float* q, int rows, const float* k_cache, const float* v_cache,
                  const int64_t* table, int64_t b0, int64_t b1, int64_t h, const Shape& s,
                  RowLimits limits, float* kt, float* scores, float* acc, float* running_max,
@@ -657,46 +698,47 @@ void attend_rows(const float* q, int rows, const float* k_cache, const float* v_
   std::fill(running_sum, running_sum + rows, 0.0f);
   std::fill(acc, acc + rows * dim, 0.0f);
   const RowTiles tiling{s.wide};
-  const int tile_rows = tiling.score_rows(), tiles = (rows + tile_rows - 1) / tile_rows;
-  const int slices = (dim + tiling.value_width(dim) - 1) / tiling.value_width(dim);
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t first = table[b] * s.block_stride + h * s.dim;
-    const float* k = k_cache + first;
-    const float* v = v_cache + first;
-    // The next block's rows of this head are asked for a phase ahead, a share per tile (its
-    // values while this block is scored, its keys while this block's values are added): all
+  const int per_step = step_blocks(bs), ld = per_step * bs;
+  const int tiles = (rows + kRowTile - 1) / kRowTile;
+  const int slice_width = s.wide ? 64 : 16, slices = (dim + slice_width - 1) / slice_width;
+  const float* key_rows[1] = {kt};
+  const float* value_rows[kMaxStepBlocks];
+  for (int64_t b = b0; b < b1; b += per_step) {
+    const int blocks = static_cast<int>(std::min<int64_t>(per_step, b1 - b));
+    for (int j = 0; j < blocks; ++j) {   // keys transposed: one [dim, step] tile for all rows
+      const int64_t first = table[b + j] * s.block_stride + h * s.dim;
+      value_rows[j] = v_cache + first;
+      for (int t = 0; t < bs; t += 8)
+        for (int d = 0; d < dim; d += 8)
+          transpose8x8(k_cache + first + t * s.token_stride + d, s.token_stride,
+                       kt + d * ld + j * bs + t, ld);
+    }
+    // The next step's rows of this head are asked for a phase ahead, a share per tile (its
+    // values while this step is scored, its keys while this step's values are added): all
     // at once stalled on the full miss queue, none left the loads waiting on L3.
-    const bool has_next = b + 1 < b1;
-    const int64_t next = has_next ? table[b + 1] * s.block_stride + h * s.dim : 0;
-    const HeadRows next_v{has_next ? v_cache + next : nullptr, s.token_stride, bs, dim};
-    const HeadRows next_k{has_next ? k_cache + next : nullptr, s.token_stride, bs, dim};
-    // keys [b * bs, b * bs + len) exist; the rows after them in the block are read but masked
-    const int len = static_cast<int>(std::min<int64_t>(bs, limits.end - b * bs));
-    const bool masked = limits.pos != nullptr || len < bs;
-    for (int t = 0; t < bs; t += 8)   // keys transposed: one [dim, block] tile for all rows
-      for (int d = 0; d < dim; d += 8) transpose8x8(k + t * s.token_stride + d, s.token_stride,
-                                                   kt + d * bs + t, bs);
+    const int next = static_cast<int>(std::min<int64_t>(per_step, b1 - b - blocks));
+    const StepRows next_v{v_cache, table + b + blocks, next, s, h};
+    const StepRows next_k{k_cache, table + b + blocks, next, s, h};
+    // keys [b * bs, b * bs + len) exist; the rows after them in the last block are masked
+    const int width = blocks * bs;
+    const int len = static_cast<int>(std::min<int64_t>(width, limits.end - b * bs));
     for (int tile = 0; tile < tiles; ++tile) {
       next_v.prefetch(tile, tiles);
-      const int r0 = tile * tile_rows, n = std::min(tile_rows, rows - r0);
-      int t = 0;
-      for (; t + 16 <= bs; t += 16)
-        tiling.score(n, q + r0 * dim, dim, kt + t, bs, scores + r0 * bs + t);
-      for (int r = r0; t < bs && r < r0 + n; r += kRowTile)   // 8 keys left: AVX2 tiles
-        rank1_rows<1>(std::min(kRowTile, r0 + n - r), q + r * dim, dim, kt + t, bs, dim,
-                      scores + r * bs + t, bs, false);
+      const int r0 = tile * kRowTile;
+      tiling.run(std::min(kRowTile, rows - r0), q + r0 * dim, dim, {key_rows, dim, ld, 0}, dim,
+                 scores + r0 * ld, ld, width, false);
     }
-    if (masked) mask_block(scores, rows, bs, b, limits);
+    if (limits.pos != nullptr || len < width) mask_step(scores, rows, width, ld, b * bs, limits);
     for (int r = 0; r < rows; ++r)
-      softmax_step(scores + r * bs, bs, acc + r * dim, dim, running_max[r], running_sum[r]);
-    // dims outer: a slice of the block's values stays in L1 while every row tile reads it
-    for (int slice = 0, d = 0; d < dim; ++slice) {
+      softmax_step(scores + r * ld, width, acc + r * dim, dim, running_max[r], running_sum[r]);
+    // dims outer: a slice of the step's values stays in L1 while every row tile reads it
+    const RowSource values{value_rows, bs, s.token_stride, 0};
+    for (int slice = 0; slice < slices; ++slice) {
       next_k.prefetch(slice, slices);
-      const int width = std::min(tiling.value_width(dim - d), dim - d);   // 64, 16 or 8
+      const int d = slice * slice_width, cols = std::min(slice_width, dim - d);
       for (int r0 = 0; r0 < rows; r0 += kRowTile)
-        tiling.value(std::min(kRowTile, rows - r0), width, scores + r0 * bs, bs, v + d,
-                     s.token_stride, len, acc + r0 * dim + d, dim);
-      d += width;
+        tiling.run(std::min(kRowTile, rows - r0), scores + r0 * ld, ld, values.at(d), len,
+                   acc + r0 * dim + d, dim, cols, true);
     }
   }
 }
@@ -735,7 +777,8 @@ void attend_with_groups(const std::vector<SharedGroup>& groups, const float* q, 
   };
   const auto make_scratch = [&] {
     return Scratch{std::vector<float>(std::max(max_rows, rows) * dim),
-                   std::vector<float>(max_rows * bs), std::vector<float>(dim * bs),
+                   std::vector<float>(max_rows * step_keys(bs)),
+                   std::vector<float>(dim * step_keys(bs)),
                    std::vector<float>(max_rows * dim), std::vector<float>(max_rows),
                    std::vector<float>(max_rows)};
   };
@@ -757,11 +800,10 @@ void attend_with_groups(const std::vector<SharedGroup>& groups, const float* q, 
       const int64_t n_rows = group.members.size() * s.groups;
       const int64_t b0 = item.chunk * kChunkBlocks;
       const int64_t b1 = std::min(group.blocks, b0 + kChunkBlocks);
-      const int64_t first = table[group.members[0] * s.max_blocks + b0] * s.block_stride +
-                            item.head * dim;   // asked for while the queries are gathered
-      const int block_rows = static_cast<int>(bs), width = static_cast<int>(dim);
-      HeadRows{kc + first, s.token_stride, block_rows, width}.prefetch(0, 1);
-      HeadRows{vc + first, s.token_stride, block_rows, width}.prefetch(0, 1);
+      const int64_t* shared = table + group.members[0] * s.max_blocks;
+      const int first_step = static_cast<int>(std::min<int64_t>(step_blocks(bs), b1 - b0));
+      StepRows{kc, shared + b0, first_step, s, item.head}.prefetch(0, 1);   // while the
+      StepRows{vc, shared + b0, first_step, s, item.head}.prefetch(0, 1);   // queries gather
       for (size_t m = 0; m < group.members.size(); ++m)   // pre-scaled rows of kv head `head`
         for (int64_t g = 0; g < s.groups; ++g) {
           const float* src = q + (group.members[m] * rows + item.head * s.groups + g) * dim;
@@ -825,6 +867,8 @@ Shape checked_shape(const torch::Tensor& out, const torch::Tensor& query,
 }
 
 }  // namespace
+
+bool paged_attention_has_avx512() { return kWideTiles; }
 
 bool paged_attention_use_avx512(bool on) {
   use_wide_tiles = on && kWideTiles;
@@ -908,9 +952,20 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   }
 }
 
+// Query rows per work item of paged_prefill_attention: 96 when that leaves at least 4 items a
+// thread, else 48. An item streams its whole context through once, so the more rows it takes
+// the less is read (30 layers, 48 -> 96 rows: 512 new tokens over 2560 cached 533 -> 478 ms;
+// 3000 uncached 1.62 -> 1.42 s), but a short chunk over a long context needs the items to
+// share out (32 tokens over 3000: 38 ms at 48 rows, 46 at 96).
+int64_t prefill_rows_per_item(int64_t rows, int64_t kv_heads, int threads) {
+  constexpr int64_t kMostRows = 16 * kRowTile, kItemsPerThread = 4;
+  const int64_t items = (rows + kMostRows - 1) / kMostRows * kv_heads;
+  return items >= kItemsPerThread * threads ? kMostRows : kMostRows / 2;
+}
+
 // Causal attention of one request's prefill chunk: query/out [q_len, heads, head_dim] at
 // positions [seq_len - q_len, seq_len), over its context read in place through block_table (its
-// blocks in order, the chunk's keys and values already written). Work item = (kv head, 48 query
+// blocks in order, the chunk's keys and values already written). Work item = (kv head, 48-96 query
 // rows), rows being (token, query head of the group) pairs scored against each block at once
 // (attend_rows), items with the most context first. Returns false, leaving out untouched, for
 // what it does not take (no AVX2, head_dim or block_size not a multiple of 8): the caller's
@@ -930,8 +985,9 @@ bool paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
 #ifdef __AVX2__
   if (s.dim % 8 != 0 || s.block_size % 8 != 0) return false;
   if (q_len == 0) return true;
-  constexpr int64_t kRowBlock = 8 * kRowTile;   // rows per item
-  const int64_t rows = q_len * s.groups, row_blocks = (rows + kRowBlock - 1) / kRowBlock;
+  const int64_t rows = q_len * s.groups;
+  const int64_t row_block = prefill_rows_per_item(rows, s.kv_heads, at::get_num_threads());
+  const int64_t row_blocks = (rows + row_block - 1) / row_block;
   const int64_t first_pos = seq_len - q_len, dim = s.dim;
   const float* q = query.data_ptr<float>();
   const float* kc = k_cache.data_ptr<float>();
@@ -943,17 +999,18 @@ bool paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
     std::vector<int64_t> pos;
   };
   const auto make_scratch = [&] {
-    return Scratch{std::vector<float>(kRowBlock * dim), std::vector<float>(dim * s.block_size),
-                   std::vector<float>(kRowBlock * s.block_size),
-                   std::vector<float>(kRowBlock * dim), std::vector<float>(kRowBlock),
-                   std::vector<float>(kRowBlock), std::vector<int64_t>(kRowBlock)};
+    return Scratch{std::vector<float>(row_block * dim),
+                   std::vector<float>(dim * step_keys(s.block_size)),
+                   std::vector<float>(row_block * step_keys(s.block_size)),
+                   std::vector<float>(row_block * dim), std::vector<float>(row_block),
+                   std::vector<float>(row_block), std::vector<int64_t>(row_block)};
   };
   tokenmill_parallel::parallel_chunks_with(s.kv_heads * row_blocks, 1, make_scratch,
                                            [&](Scratch& scratch, int64_t begin, int64_t end) {
     auto& [q_buf, kt, scores, acc, mx, sm, pos] = scratch;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item % s.kv_heads, block = row_blocks - 1 - item / s.kv_heads;
-      const int64_t r0 = block * kRowBlock, n = std::min(kRowBlock, rows - r0);
+      const int64_t r0 = block * row_block, n = std::min(row_block, rows - r0);
       for (int64_t r = 0; r < n; ++r) {   // row = token * groups + head in the group
         const int64_t token = (r0 + r) / s.groups, head = h * s.groups + (r0 + r) % s.groups;
         const float* src = q + (token * s.heads + head) * dim;

@@ -3,12 +3,11 @@ oracle)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from tests.helpers.isa import avx2_tiles
 from tokenmill import SamplingParams
 from tokenmill.attention.cpu_paged import CpuPagedBackend, load_kernel
 from tokenmill.attention.metadata import AttentionMetadata, PrefillSpan, decode_mask
@@ -231,18 +230,6 @@ def test_prefill_kernel_output_is_the_same_on_any_number_of_threads():
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
-@contextmanager
-def avx2_tiles():
-    """The kernels on their AVX2 register tiles, on a CPU that has AVX-512 ones."""
-    kernel = load_kernel()
-    default = kernel.paged_attention_use_avx512(True)
-    kernel.paged_attention_use_avx512(False)
-    try:
-        yield
-    finally:
-        kernel.paged_attention_use_avx512(default)
-
-
 AVX512_TILES = load_kernel() is not None and load_kernel().paged_attention_use_avx512(True)
 
 
@@ -273,7 +260,7 @@ def test_avx512_tiles_give_bitwise_the_avx2_tiles_output(cached, query_len, grou
         return prefill_out, decode_out
 
     wide = run()
-    with avx2_tiles():
+    with avx2_tiles(kernel.paged_attention_use_avx512):
         narrow = run()
     assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1])
 

@@ -4,14 +4,13 @@ to oneDNN."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings, strategies as st
 
 from tests.helpers.gil import longest_stall_beside
+from tests.helpers.isa import avx2_tiles
 from tokenmill.kernels.huge_pages import HUGE_PAGE, huge_pages_supported
 from tokenmill.layers.cpu_gemv import GEMV_COMPACT_MAX_ROWS, GEMV_MAX_ROWS, load_kernel
 from tokenmill.layers.linear import Linear, onednn_available
@@ -212,18 +211,6 @@ def test_hybrid_linear_takes_compact_panels_for_short_steps_only():
         torch.testing.assert_close(layers[True](x), F.linear(x, weight), rtol=1e-4, atol=1e-4)
 
 
-@contextmanager
-def avx2_tiles():
-    """The kernel on its AVX2 tiles, for a comparison on a CPU that has AVX-512 ones."""
-    kernel = load_kernel()
-    default = kernel.gemv_use_avx512(True)
-    kernel.gemv_use_avx512(False)
-    try:
-        yield kernel
-    finally:
-        kernel.gemv_use_avx512(default)
-
-
 AVX512_TILES = load_kernel() is not None and load_kernel().gemv_use_avx512(True)
 
 
@@ -250,5 +237,5 @@ def test_avx512_tiles_give_bitwise_the_avx2_tiles_output(rows, blocks, tail, pan
         packed = getattr(kernel, packer)(make(gen, panels * 16, in_features))
     x = torch.randn(rows, in_features, generator=gen)
     got = kernel.gemv_linear(x, packed)
-    with avx2_tiles():
+    with avx2_tiles(kernel.gemv_use_avx512):
         assert torch.equal(got, kernel.gemv_linear(x, packed))

@@ -516,72 +516,89 @@ struct RowCursor {
   }
 };
 
-// c[r][0 .. NV * 8) = (accumulate ? c[r] : 0) + sum_{k < n} a[r * lda + k] * b row k, for R
-// rows: rank-1 updates into R NV registers, NV loads of b and R broadcasts of a per k. Scores
-// are q rows against transposed keys; values are probabilities against value rows.
-template <int R, int NV>
-inline void rank1_tile(const float* a, int64_t lda, const RowSource& b, int n, float* c,
-                       int64_t ldc, bool accumulate) {
-  __m256 acc[R][NV];
+// The vector operations of rank1_tile, 8 lanes (AVX2) or 16 (AVX-512). Each load and
+// broadcast is pinned to one instruction (the empty asm): else GCC folded the loads into every
+// FMA (the load ports, not the FMAs, became the limit) or hoisted all the broadcasts of a step
+// and spilled accumulators.
+struct Lanes8 {
+  using Vec = __m256;
+  static constexpr int kWidth = 8;
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vec load_pinned(const float* p) {
+    Vec v = _mm256_loadu_ps(p);
+    __asm__("" : "+x"(v));
+    return v;
+  }
+  static Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+};
+
+// c[r][0 .. NV * width) = (accumulate ? c[r] : 0) + sum_{k < n} a[r * lda + k] * b row k, for
+// R rows: rank-1 updates into R NV registers, NV loads of b and R broadcasts of a per k.
+// Scores are q rows against transposed keys; values are probabilities against value rows.
+// Each output gets the same FMAs in the same order whatever the lanes.
+template <typename L, int R, int NV>
+inline void rank1_lanes(const float* a, int64_t lda, const RowSource& b, int n, float* c,
+                        int64_t ldc, bool accumulate) {
+  typename L::Vec acc[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
     for (int j = 0; j < NV; ++j)
-      acc[r][j] = accumulate ? _mm256_loadu_ps(c + r * ldc + 8 * j) : _mm256_setzero_ps();
+      acc[r][j] = accumulate ? L::load(c + r * ldc + L::kWidth * j) : L::zero();
   RowCursor cursor(b);
   for (int k = 0; k < n; ++k) {
-    __m256 bv[NV];
-#pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) {
-      bv[j] = _mm256_loadu_ps(cursor.row + 8 * j);
-      __asm__("" : "+x"(bv[j]));   // one load per vector of b, not one per FMA
-    }
+    typename L::Vec bv[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) bv[j] = L::load_pinned(cursor.row + L::kWidth * j);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 av = _mm256_broadcast_ss(a + r * lda + k);
-      for (int j = 0; j < NV; ++j) acc[r][j] = _mm256_fmadd_ps(av, bv[j], acc[r][j]);
+      const typename L::Vec av = L::broadcast(a + r * lda + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) acc[r][j] = L::fmadd(av, bv[j], acc[r][j]);
     }
     if (k + 1 < n) cursor.next();
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(c + r * ldc + 8 * j, acc[r][j]);
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) L::store(c + r * ldc + L::kWidth * j, acc[r][j]);
+}
+
+template <int R, int NV>
+inline void rank1_tile(const float* a, int64_t lda, const RowSource& b, int n, float* c,
+                       int64_t ldc, bool accumulate) {
+  rank1_lanes<Lanes8, R, NV>(a, lda, b, n, c, ldc, accumulate);
 }
 
 using Rank1Tile = void (*)(const float*, int64_t, const RowSource&, int, float*, int64_t, bool);
 
 #if defined(__AVX512F__)
-// rank1_tile with NV vectors of 16 floats: c[r][0 .. 16 NV). The same FMAs in the same order
-// per output, so bitwise rank1_tile's result.
+struct Lanes16 {
+  using Vec = __m512;
+  static constexpr int kWidth = 16;
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vec load_pinned(const float* p) {
+    Vec v = _mm512_loadu_ps(p);
+    __asm__("" : "+v"(v));
+    return v;
+  }
+  static Vec broadcast(const float* p) {
+    Vec v = _mm512_set1_ps(*p);
+    __asm__("" : "+v"(v));   // one broadcast live at a time: no accumulator spilled
+    return v;
+  }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+};
+
 template <int R, int NV>
 inline void rank1_tile16(const float* a, int64_t lda, const RowSource& b, int n, float* c,
                          int64_t ldc, bool accumulate) {
-  __m512 acc[R][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j)
-      acc[r][j] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16 * j) : _mm512_setzero_ps();
-  RowCursor cursor(b);
-  for (int k = 0; k < n; ++k) {
-    __m512 bv[NV];
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) {
-      bv[j] = _mm512_loadu_ps(cursor.row + 16 * j);
-      __asm__("" : "+v"(bv[j]));
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      __m512 av = _mm512_set1_ps(a[r * lda + k]);
-      __asm__("" : "+v"(av));   // one broadcast live at a time: no accumulator spilled
-#pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(av, bv[j], acc[r][j]);
-    }
-    if (k + 1 < n) cursor.next();
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(c + r * ldc + 16 * j, acc[r][j]);
+  rank1_lanes<Lanes16, R, NV>(a, lda, b, n, c, ldc, accumulate);
 }
 constexpr bool kWideTiles = true;
 #else

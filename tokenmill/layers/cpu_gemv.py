@@ -58,12 +58,14 @@ GEMV_COMPACT_MAX_ROWS = gemv_compact_max_rows(_CAPABILITY)
 PANEL = 16            # out_features must be a multiple of this
 
 BLOCK_FORMATS = Path(__file__).with_name("gemv_blocks.h")   # the compact panels
+ROW_GROUPS = Path(__file__).with_name("gemv_rows.h")       # shared by both tile sets
 AVX512_TILES = Path(__file__).with_name("gemv_avx512.h")
 KERNEL = CpuExtension("tokenmill_cpu_gemv", Path(__file__).with_name("cpu_gemv_kernel.cpp"),
                       ["pack_gemv_weight", "pack_gemv_q4", "pack_gemv_q8", "gemv_linear",
                        "gemv_use_avx512", "entry_points"], "cpu_gemv linear kernel",
                       "oneDNN at every batch size",
-                      headers=(ENTRY_POINTS, WORK_SHARING, BLOCK_FORMATS, AVX512_TILES))
+                      headers=(ENTRY_POINTS, WORK_SHARING, BLOCK_FORMATS, ROW_GROUPS,
+                               AVX512_TILES))
 load_kernel = KERNEL.load
 
 

@@ -174,30 +174,12 @@ static void tile(const float* x, int64_t ldx, const float* panel, int64_t panel_
 }
 #endif
 
-// Runs fn.template operator()<R>() with R = rows as a compile-time count, rows in [Lo, Hi]
-// (fewer: Lo).
-template <int Lo, int Hi, typename Fn>
-static void with_rows_in(int64_t rows, Fn&& fn) {
-  if constexpr (Lo < Hi) {
-    if (rows > Lo) return with_rows_in<Lo + 1, Hi>(rows, fn);
-  }
-  fn.template operator()<Lo>();
-}
+using gemv_rows::with_rows_in;
 
 template <typename Fn>
 static void with_rows(int64_t rows, Fn&& fn) {
   with_rows_in<1, kMaxRows>(rows, fn);
 }
-
-// m rows split into groups of at most kMaxRows, of equal size (8 rows: 4 + 4, not 6 + 2),
-// since a tile of few rows has too few accumulators to hide the FMA latency.
-struct RowGroups {
-  int64_t count, base, extra;
-  explicit RowGroups(int64_t m)
-      : count(std::max<int64_t>(1, (m + kMaxRows - 1) / kMaxRows)), base(m / count),
-        extra(m % count) {}
-  int64_t size(int64_t g) const { return base + (g < extra ? 1 : 0); }
-};
 
 // Panels side by side in a tile of R rows, so that it has enough independent accumulators to
 // hide the FMA latency (one row against one panel has two).
@@ -268,7 +250,7 @@ static void one_row_group(int64_t m, const float* x, int64_t k_total, const floa
 // m > 6 rows against one panel, in RowGroups.
 static void panel_rows(int64_t m, const float* x, int64_t k_total, const float* panel, float* y,
                        int64_t ldy) {
-  const RowGroups groups(m);
+  const gemv_rows::RowGroups groups(m, kMaxRows);
   const int64_t block = groups.count <= kShortBlockGroups ? kShortBlockK : kLongBlockK;
   for (int64_t k0 = 0; k0 < k_total; k0 += block) {
     const int64_t k_len = std::min(block, k_total - k0);
@@ -291,7 +273,7 @@ static void block_gemv(int64_t m, const float* x, int64_t k_len, const uint8_t* 
                        int64_t panels, float* y, int64_t n) {
 #if defined(__AVX2__) && defined(__FMA__)
   const int64_t stride = k_len / gemv_blocks::kSteps * F::kBlockBytes;
-  const RowGroups groups(m);
+  const gemv_rows::RowGroups groups(m, kMaxRows);
   const int64_t chunk = tokenmill_parallel::chunk_for(panels, side_panels(groups.size(0)));
   tokenmill_parallel::parallel_chunks(panels, chunk, [&](int64_t begin, int64_t end) {
     if (groups.count == 1) {

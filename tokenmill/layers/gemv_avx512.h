@@ -25,26 +25,15 @@ constexpr int64_t kBlockK = 128;          // k steps per pass over the panels' s
 constexpr int64_t kSpreadGroups = 6;      // up to this many row groups prefetch the next slice
 constexpr int64_t kPrefetch = 32;         // k steps ahead to prefetch a panel (2 KB)
 
-// Runs fn.template operator()<R>() with R = rows as a compile-time count, rows in [Lo, Hi].
-template <int Lo, int Hi, typename Fn>
-void with_rows_in(int64_t rows, Fn&& fn) {
-  if constexpr (Lo < Hi) {
-    if (rows > Lo) return with_rows_in<Lo + 1, Hi>(rows, fn);
-  }
-  fn.template operator()<Lo>();
-}
+using gemv_rows::with_rows_in;
 
 // Panels side by side in a tile of R rows: enough independent accumulators to hide the FMA
 // latency, all of them in registers (R * P + P + 1 of 32).
 constexpr int side_panels(int64_t rows) { return rows <= 6 ? 4 : rows <= 8 ? 3 : 2; }
 
-// m rows in groups of at most kMaxRows, of equal size (a tile of few rows is latency-bound).
-struct RowGroups {
-  int64_t count, base, extra;
-  explicit RowGroups(int64_t m)
-      : count(std::max<int64_t>(1, (m + kMaxRows - 1) / kMaxRows)), base(m / count),
-        extra(m % count) {}
-  int64_t size(int64_t g) const { return base + (g < extra ? 1 : 0); }
+// m rows in groups of at most kMaxRows.
+struct RowGroups : gemv_rows::RowGroups {
+  explicit RowGroups(int64_t m) : gemv_rows::RowGroups(m, kMaxRows) {}
 };
 
 // One k step of a tile: x[r][k] (x points at column k, rows ldx apart) times the P panels'

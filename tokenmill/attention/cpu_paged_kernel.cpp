@@ -447,6 +447,11 @@ std::vector<Slice> decode_slices(const int64_t* lens, int64_t num, int64_t block
 constexpr int64_t kMinSharedBlocks = 4;   // shorter common prefixes: the per-request path
 constexpr int64_t kChunkBlocks = 16;      // shared blocks per work item
 constexpr int kRowTile = 6;               // query rows per register tile
+#if defined(__AVX2__) && defined(__AVX512F__)
+constexpr bool kWideTiles = true;         // attend_rows has AVX-512 register tiles
+#else
+constexpr bool kWideTiles = false;
+#endif
 
 struct SharedGroup {
   std::vector<int64_t> members;   // request indices, ascending
@@ -600,9 +605,6 @@ inline void rank1_tile16(const float* a, int64_t lda, const RowSource& b, int n,
                          int64_t ldc, bool accumulate) {
   rank1_lanes<Lanes16, R, NV>(a, lda, b, n, c, ldc, accumulate);
 }
-constexpr bool kWideTiles = true;
-#else
-constexpr bool kWideTiles = false;
 #endif
 
 // The register tiles of attend_rows, kRowTile rows against a run of columns: AVX2 tiles of
@@ -1004,7 +1006,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
 // the less is read (30 layers, 48 -> 96 rows: 512 new tokens over 2560 cached 533 -> 478 ms;
 // 3000 uncached 1.62 -> 1.42 s), but a short chunk over a long context needs the items to
 // share out (32 tokens over 3000: 38 ms at 48 rows, 46 at 96).
-int64_t prefill_rows_per_item(int64_t rows, int64_t kv_heads, int threads) {
+static int64_t prefill_rows_per_item(int64_t rows, int64_t kv_heads, int threads) {
   constexpr int64_t kMostRows = 16 * kRowTile, kItemsPerThread = 4;
   const int64_t items = (rows + kMostRows - 1) / kMostRows * kv_heads;
   return items >= kItemsPerThread * threads ? kMostRows : kMostRows / 2;

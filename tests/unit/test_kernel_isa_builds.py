@@ -1,0 +1,54 @@
+"""The kernels built as an older CPU would build them (-march=native minus AVX-512, minus AVX2
+as well): they must still compile, and give what this machine's build gives. An AVX-512 path
+that leaks a name into the common code otherwise only breaks on the other machine, where the
+kernel silently falls back to the reference path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokenmill.attention.cpu_paged as cpu_paged
+import tokenmill.layers.cpu_gemv as cpu_gemv
+from tokenmill.kernels.cpp_build import CpuExtension, compile_cpu_extension
+
+pytestmark = pytest.mark.skipif(
+    cpu_paged.load_kernel() is None or cpu_gemv.load_kernel() is None,
+    reason="no C++ compiler for the kernels")
+
+WITHOUT = {"avx2": ("-mno-avx512f",), "sse": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+def build(kernel: CpuExtension, isa: str):
+    return compile_cpu_extension(f"{kernel.prefix}_{isa}", kernel.source, kernel.functions,
+                                 kernel.name, kernel.fallback,
+                                 kernel.extra_cflags + WITHOUT[isa], kernel.headers,
+                                 kernel.keep_gil)
+
+
+@pytest.mark.parametrize("isa", WITHOUT)
+def test_kernels_build_and_agree_without_avx512(isa):
+    gen = torch.Generator().manual_seed(1)
+    gemv, native_gemv = build(cpu_gemv.KERNEL, isa), cpu_gemv.load_kernel()
+    assert gemv is not None and not gemv.gemv_use_avx512(True)
+    weight, x = torch.randn(64, 96, generator=gen), torch.randn(20, 96, generator=gen)
+    expected = native_gemv.gemv_linear(x, native_gemv.pack_gemv_weight(weight))
+    torch.testing.assert_close(gemv.gemv_linear(x, gemv.pack_gemv_weight(weight)), expected)
+
+    attention, native = build(cpu_paged.KERNEL, isa), cpu_paged.load_kernel()
+    assert attention is not None and not attention.paged_attention_has_avx512()
+    k_cache, v_cache = (torch.randn(50, 16, 3, 64, generator=gen) for _ in range(2))
+    table = torch.randperm(50, generator=gen)[:20].contiguous()
+    query = torch.randn(100, 9, 64, generator=gen)
+    expected, got = torch.empty_like(query), torch.empty_like(query)
+    assert native.paged_prefill_attention(expected, query, k_cache, v_cache, table, 300, 0.125)
+    if attention.paged_prefill_attention(got, query, k_cache, v_cache, table, 300, 0.125):
+        # AVX2 tiles: the same FMAs in the same order as the native build's tiles
+        assert isa == "avx2" and torch.equal(got, expected)
+    else:
+        assert isa == "sse"   # no AVX2: the caller's reference path takes prefill chunks
+    decode_query, lens = query[:4].contiguous(), torch.tensor([300, 17, 160, 64])
+    tables = table.repeat(4, 1)
+    for kernel, out in ((native, expected[:4]), (attention, got[:4])):
+        kernel.paged_decode_attention(out, decode_query, k_cache, v_cache, tables, lens, 0.125, -1)
+    torch.testing.assert_close(got[:4], expected[:4], rtol=1e-5, atol=1e-5)

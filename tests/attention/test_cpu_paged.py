@@ -230,7 +230,7 @@ def test_prefill_kernel_output_is_the_same_on_any_number_of_threads():
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
-AVX512_TILES = load_kernel() is not None and load_kernel().paged_attention_use_avx512(True)
+AVX512_TILES = load_kernel() is not None and load_kernel().paged_attention_has_avx512()
 
 
 @pytest.mark.skipif(not AVX512_TILES, reason="the kernel was built without AVX-512 here")

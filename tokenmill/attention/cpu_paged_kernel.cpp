@@ -26,8 +26,9 @@
 // Against SDPA over a gathered copy with a mask (the reference path), 30 layers of SmolLM2's
 // shapes: 256 new tokens over 256 cached, 98.9 -> 74.1 ms; 84 over 450, 55.8 -> 46.8 ms (AVX2
 // machine). Where the build has AVX-512, those row tiles are AVX-512 ones (RowTiles), bitwise
-// the same; on a 2-core Xeon, AVX2 tiles -> AVX-512 tiles (SDPA): 512 new over 2560 cached,
-// 739 -> 623 ms (595); 512 over 1536, 465 -> 375 (383); 84 over 450, 23.1 -> 19.0 (23.0).
+// the same. On a 2-core Xeon, per-block AVX2 tiles -> 4-block steps with AVX-512 tiles (SDPA):
+// 512 new over 2560 cached, 739 -> 409 ms (549-595); 512 over 1536, 465 -> 282 (350-383); 84
+// over 450, 23.1 -> 14.4 (21-23); 3000 uncached 1.35 s (1.47-1.63).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -27,6 +27,7 @@ from tokenmill.engine.processor import PromptInput
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import FinishReason, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.host_memory import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class AsyncLLM:
     def build(cls, factory: Callable[[], LLMEngine], **kwargs: Any) -> AsyncLLM:
         """Build the engine on the engine thread (which then waits for `start`); re-raises
         whatever the factory raised."""
+        keep_freed_memory()  # before the engine thread's first allocation picks its arena
         llm = cls(None, **kwargs)
         llm._factory = factory
         llm._thread.start()

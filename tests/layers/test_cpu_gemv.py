@@ -222,6 +222,8 @@ AVX512_TILES = load_kernel() is not None and load_kernel().gemv_use_avx512(True)
 @example(rows=40, blocks=9, tail=5, panels=7, fmt="fp32", seed=0)   # 4 row groups, 3 slices
 @example(rows=90, blocks=2, tail=0, panels=3, fmt="fp32", seed=1)   # 8: no spread prefetch
 @example(rows=24, blocks=18, tail=0, panels=5, fmt="q4_1", seed=2)  # compact, two groups
+@example(rows=30, blocks=5, tail=0, panels=3, fmt="q8_0", seed=3)   # staged: 3 groups, a
+#                                                                     short last slice, 1 panel
 def test_avx512_tiles_give_bitwise_the_avx2_tiles_output(rows, blocks, tail, panels, fmt, seed):
     # Where the build has AVX-512 the kernel takes its own tiles (bigger, another row
     # grouping, other prefetches); each output must still be the same FMAs in the same

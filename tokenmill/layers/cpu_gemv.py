@@ -44,11 +44,15 @@ def gemv_compact_max_rows(capability: str) -> dict[torch.dtype, int]:
     - its lm_head (Q8_0): M = 1: 4.0 -> 1.4 ms; M = 4: 4.5 -> 2.5. From 7 rows the Q8_0
       panels run in half-panel tiles (cpu_gemv_kernel.cpp), medians of 9, same process:
       M = 7: 4.76 -> 3.83 ms; M = 8: 5.01 -> 4.27; M = 10: 4.51 -> 4.45; M = 12: 6.13 -> 5.60.
-    AVX-512 tiles (2-core Xeon), best of 7: the 120 layer GEMMs (Q4_1): M = 8: 16.6 -> 9.9
-    ms; M = 16: 21.4 -> 18.0; M = 24: 25.7 -> 23.8. The lm_head (Q8_0), best of 9: M = 16:
-    4.48 -> 3.39 ms; M = 32: 7.41 -> 6.70."""
+    AVX-512 tiles (2-core Xeon), where more than 12 rows rebuild the weights once per slice
+    into L1 (gemv_avx512.h), so the compact panels win at every M the kernel takes. Best of 7,
+    the 120 layer GEMMs (Q4_1): M = 8: 15.6 -> 9.5 ms; M = 16: 20.8 -> 17.5; M = 32: 29.8 ->
+    27.8-29.0; M = 64: 51.3-55.1 -> 49.7-51.7; M = 96: 82.6 -> 72.2; M = 128: 103.6 -> 97.3.
+    The lm_head (Q8_0), best of 9: M = 16: 4.17 -> 3.34 ms; M = 32: 7.33 -> 6.58; M = 128:
+    24.7 -> 23.2."""
     if capability.startswith("AVX512"):
-        return {torch.uint8: 24, torch.int8: 32}
+        rows = gemv_max_rows(capability)
+        return {torch.uint8: rows, torch.int8: rows}
     return {torch.uint8: 10, torch.int8: 12}
 
 

@@ -3,9 +3,9 @@
 Every forward allocates the same large temporaries (GEMM outputs, gathered KV blocks). glibc
 serves allocations above its mmap threshold with fresh mmaps, and first touch of each page
 faults; in a VM that cost more than the arithmetic (a batch-32 decode step spent more than half
-its time there). So malloc never maps (M_MMAP_MAX 0) and never trims: those buffers come
-from, and go back to, the heap, which grows to the largest working set and keeps it, and later
-steps reuse warm pages. vLLM's CPU docs reach the same end with tcmalloc via LD_PRELOAD;
+its time there). So malloc never maps (M_MMAP_MAX 0) and trims only a free top above 2 GB:
+those buffers come from, and go back to, the heap, which grows to the largest working set and
+keeps it, and later steps reuse warm pages. vLLM's CPU docs reach the same end with tcmalloc via LD_PRELOAD;
 mallopt does it in-process for any entry point.
 
 Every thread shares the main heap (M_ARENA_MAX 1). Raising the mmap threshold instead (to

@@ -99,19 +99,42 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t panel_stride,
   store_tile<R, P>(acc, y, ldy);
 }
 
+// A compact block's weights a k step at a time. Formats with a level unpack (Q4_1's nibbles)
+// split a whole block's levels into bytes first, several steps per instruction; the others
+// rebuild each step straight from the block.
+template <typename F>
+struct BlockLevels {
+  static constexpr bool kUnpacked = requires { F::kLevelBytes; };
+  static constexpr int64_t kBytes = [] {
+    if constexpr (kUnpacked) return F::kLevelBytes; else return int64_t{64};
+  }();
+
+  static inline void unpack(const uint8_t* block, uint8_t* levels) {
+    if constexpr (kUnpacked) F::unpack_levels(block, levels);
+  }
+  static inline __m512 rebuild(const uint8_t* block, const uint8_t* levels, int64_t kk) {
+    if constexpr (kUnpacked) return F::from_levels(block, levels, kk);
+    else return F::expand16(block, kk);
+  }
+};
+
 // The same over P compact panels of format F (`panel_stride` bytes apart), k_len a multiple
 // of 32: each k step's weights rebuilt once, then the same FMAs in the same order.
 template <typename F, int R, int P>
 void block_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t panel_stride,
                 int64_t k_len, float* y, int64_t ldy) {
   __m512 acc[R][P];
+  alignas(64) uint8_t levels[P][BlockLevels<F>::kBytes];
   start_tile<R, P>(acc, y, ldy, false);
   for (int64_t k0 = 0; k0 < k_len; k0 += gemv_blocks::kSteps) {
     const uint8_t* block = panel + (k0 / gemv_blocks::kSteps) * F::kBlockBytes;
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) BlockLevels<F>::unpack(block + p * panel_stride, levels[p]);
     for (int64_t kk = 0; kk < gemv_blocks::kSteps; ++kk) {
       __m512 w[P];
 #pragma GCC unroll 4
-      for (int p = 0; p < P; ++p) w[p] = F::expand16(block + p * panel_stride, kk);
+      for (int p = 0; p < P; ++p)
+        w[p] = BlockLevels<F>::rebuild(block + p * panel_stride, levels[p], kk);
       fma_rows<R, P>(acc, x + k0 + kk, ldx, w);
     }
   }
@@ -195,14 +218,16 @@ static_assert(kStageK % gemv_blocks::kSteps == 0);
 template <typename F>
 inline void stage_panels(const uint8_t* panel, int64_t panel_stride, int64_t count, int64_t k0,
                          int64_t k_step, float* staged) {
+  alignas(64) uint8_t levels[BlockLevels<F>::kBytes];
   for (int64_t p = 0; p < count; ++p)
     for (int64_t k = 0; k < k_step; k += gemv_blocks::kSteps) {
       const uint8_t* block = panel + p * panel_stride + (k0 + k) / gemv_blocks::kSteps *
                                                             F::kBlockBytes;
       float* out = staged + (p * kStageK + k) * kPanel;
+      BlockLevels<F>::unpack(block, levels);
 #pragma GCC unroll 4
       for (int64_t kk = 0; kk < gemv_blocks::kSteps; ++kk)
-        _mm512_store_ps(out + kk * kPanel, F::expand16(block, kk));
+        _mm512_store_ps(out + kk * kPanel, BlockLevels<F>::rebuild(block, levels, kk));
     }
 }
 

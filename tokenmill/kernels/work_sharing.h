@@ -14,12 +14,13 @@
 
 namespace tokenmill_parallel {
 
-// The chunk size that gives each thread about `per_thread` chunks of [0, total), rounded up to
-// a multiple of `unit` (a tile's width), at least one unit.
+// The chunk size that gives each thread `per_thread` to 2 * `per_thread` chunks of [0, total),
+// whole units (a tile's width), at least one. Rounded down, not up: 36 panels in chunks of 4
+// made 9, and one thread ran the last alone (M = 16 decode linears 6% slower).
 inline int64_t chunk_for(int64_t total, int64_t unit, int64_t per_thread = 8) {
   const int64_t parts = std::max<int64_t>(1, at::get_num_threads() * per_thread);
-  const int64_t chunk = (total + parts - 1) / parts;
-  return std::max<int64_t>(unit, (chunk + unit - 1) / unit * unit);
+  const int64_t units = (total + unit - 1) / unit;
+  return std::max<int64_t>(1, units / parts) * unit;
 }
 
 // fn(state, begin, end) over [0, total) in chunks of `chunk`, taken by the threads in turn as

@@ -105,8 +105,9 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t panel_stride,
 template <typename F>
 struct BlockLevels {
   static constexpr bool kUnpacked = requires { F::kLevelBytes; };
+  // scratch for the unpacked levels (a byte, unused, for formats without an unpack)
   static constexpr int64_t kBytes = [] {
-    if constexpr (kUnpacked) return F::kLevelBytes; else return int64_t{64};
+    if constexpr (kUnpacked) return F::kLevelBytes; else return int64_t{1};
   }();
 
   static inline void unpack(const uint8_t* block, uint8_t* levels) {

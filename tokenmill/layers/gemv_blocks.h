@@ -95,17 +95,22 @@ struct Q4_1 {
 #endif
 
 #if defined(__AVX512F__)
-  // expand()'s 16 weights in one register, by the same operations.
-  static inline __m512 expand16(const uint8_t* block, int64_t kk) {
+  // The 16 weights of a step from its 16 levels (one byte each, column order), by expand()'s
+  // operations: d * q, rounded, then + m, rounded.
+  static inline __m512 rebuild16(const uint8_t* block, __m128i levels) {
     const float* scale = reinterpret_cast<const float*>(block);
-    const __m128i bytes =
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols / 2));
-    const __m128i nibbles = _mm_and_si128(
-        _mm_unpacklo_epi64(bytes, _mm_srli_epi16(bytes, 4)), _mm_set1_epi8(15));
-    __m512 product = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles)),
+    __m512 product = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(levels)),
                                    _mm512_loadu_ps(scale));
     __asm__("" : "+v"(product));   // keep both roundings
     return _mm512_add_ps(product, _mm512_loadu_ps(scale + kCols));
+  }
+
+  // expand()'s 16 weights in one register, by the same operations.
+  static inline __m512 expand16(const uint8_t* block, int64_t kk) {
+    const __m128i bytes =
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols / 2));
+    return rebuild16(block, _mm_and_si128(_mm_unpacklo_epi64(bytes, _mm_srli_epi16(bytes, 4)),
+                                          _mm_set1_epi8(15)));
   }
 
   // A block's levels, one byte each, 16 per k step in column order (kLevelBytes): split from
@@ -127,12 +132,8 @@ struct Q4_1 {
   }
 
   static inline __m512 from_levels(const uint8_t* block, const uint8_t* levels, int64_t kk) {
-    const float* scale = reinterpret_cast<const float*>(block);
-    const __m128i step = _mm_load_si128(reinterpret_cast<const __m128i*>(levels + kk * kCols));
-    __m512 product =
-        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(step)), _mm512_loadu_ps(scale));
-    __asm__("" : "+v"(product));   // keep both roundings
-    return _mm512_add_ps(product, _mm512_loadu_ps(scale + kCols));
+    return rebuild16(block,
+                     _mm_load_si128(reinterpret_cast<const __m128i*>(levels + kk * kCols)));
   }
 #endif
 };

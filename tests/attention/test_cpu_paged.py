@@ -240,9 +240,9 @@ AVX512_TILES = load_kernel() is not None and load_kernel().paged_attention_has_a
        head_dim=st.sampled_from([40, 64, 128]), seed=st.integers(0, 2**16))
 def test_avx512_tiles_give_bitwise_the_avx2_tiles_output(cached, query_len, groups, block_size,
                                                          head_dim, seed):
-    # The AVX-512 tiles (12 rows x 16 keys, 6 rows x 64 dims) make the same FMAs in the same
-    # order as the AVX2 ones, so prefill chunks and shared-prefix decodes come out bit for bit
-    # the same on either.
+    # The AVX-512 tiles (12 rows x 16 keys, 6 rows x 64 dims) and the 16-lane values step of a
+    # single decode make the same FMAs in the same order as the AVX2 ones, so prefill chunks,
+    # shared-prefix decodes and a lone decode come out bit for bit the same on either.
     gen = torch.Generator().manual_seed(seed)
     query, _, _, caches, span = random_prefill(gen, cached, query_len, 2, groups, block_size,
                                                head_dim)
@@ -251,18 +251,23 @@ def test_avx512_tiles_give_bitwise_the_avx2_tiles_output(cached, query_len, grou
     decodes = (span.block_table[:shared + 1].repeat(3, 1),    # of three decodes
                torch.tensor([shared * block_size + 1] * 3), torch.randn(3, *query.shape[1:]))
 
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
+    lone = torch.randn(1, *query.shape[1:], generator=gen)   # the per-request route
+
+    def run() -> list[torch.Tensor]:
         prefill_out, decode_out = torch.empty_like(query), torch.empty_like(decodes[2])
+        lone_out = torch.empty_like(lone)
         assert kernel.paged_prefill_attention(prefill_out, query, *caches, span.block_table,
                                               span.seq_len, scale)
         table, lens, decode_query = decodes
         kernel.paged_decode_attention(decode_out, decode_query, *caches, table, lens, scale, -1)
-        return prefill_out, decode_out
+        kernel.paged_decode_attention(lone_out, lone, *caches, span.block_table[None],
+                                      torch.tensor([span.seq_len]), scale, -1)
+        return [prefill_out, decode_out, lone_out]
 
     wide = run()
     with avx2_tiles(kernel.paged_attention_use_avx512):
         narrow = run()
-    assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1])
+    assert all(torch.equal(w, n) for w, n in zip(wide, narrow))
 
 
 def test_prefill_kernel_leaves_shapes_it_does_not_take_to_the_reference():

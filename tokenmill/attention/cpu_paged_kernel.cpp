@@ -4,18 +4,21 @@
 //
 // Work item = one request, all its kv heads; with too few requests to keep every thread busy,
 // one slice of whole blocks of a request's context, the slices' partial softmax states merged
-// after (as in flash-decoding). Inside an item the heads go round within each block, so a
-// block is read once, front to back; the `groups` query heads of a kv head are scored against
-// each key together, four keys per reduction. Softmax is online, one block at a time (block
+// after (as in flash-decoding). Inside an item a block is read span by span (8 tokens, all
+// kv heads), front to back; the `groups` query heads of a kv head are scored against each
+// key together, four keys per reduction. Softmax is online, one block at a time (block
 // max, one rescale per block, vectorized exp).
 //
 // Decode attention is bound by memory: the KV of a batch is hundreds of MB and is read once a
 // step. The hardware prefetcher loses the stream at every block boundary (a request's blocks
 // are anywhere in the pool), and the block's arithmetic did not overlap the misses, so the
-// kernel read at a third of the copy bandwidth. Each kv head's pass over a block therefore
-// prefetches its share of the next block, a few lines per inner iteration. Asking for all of
-// it at the start of the block saved far less time (6-13% against 34%), probably because
-// hundreds of requests at once fill the miss queue and stall the arithmetic.
+// kernel read at a third of the copy bandwidth. Each pass over a block therefore prefetches
+// a share of the next block into L2, a few lines per inner iteration. Asking for all of it at
+// the start of the block saved far less time (6-13% against 34%), probably because hundreds
+// of requests at once fill the miss queue and stall the arithmetic; prefetching into L1
+// instead of L2 made decode steps 6% slower (2-core Xeon). Even so the kernel reads ~17-19
+// GB/s from memory where a plain read of the same blocks gets ~24: the prefetches wait for
+// free fill buffers (perf: most samples of the value loop on the instruction after them).
 //
 // Requests over a common prefix of at least 4 blocks (a system prompt in the prefix cache)
 // take another route, attend_with_groups below: the shared blocks are attended by all of
@@ -149,7 +152,7 @@ struct Prefetch {
   inline void part(int index, int parts) const {
     if (base == nullptr) return;
     for (int l = lines * index / parts; l < lines * (index + 1) / parts; ++l)
-      __builtin_prefetch(base + l * 64);
+      __builtin_prefetch(base + l * 64, 0, 2);
   }
 };
 
@@ -283,18 +286,69 @@ void accumulate_block_g(const float* p, int stride, const float* v, int64_t toke
 }
 #endif
 
+#if defined(__AVX2__) && defined(__AVX512F__)
+// accumulate_block_g with 16-lane registers: NZ registers (16 dims each) of all G rows stay in
+// registers across the block's keys, so a key's value row is loaded once and each weight
+// broadcast once per slice (AVX2: once per 16 dims). Each lane adds the same products in the
+// same order as the 8-lane version: bitwise its result.
+template <int G, int NZ>
+void accumulate_block_wide(const float* p, int stride, const float* v, int64_t token_stride,
+                           int len, int, int dim, float* acc, Prefetch ahead) {
+  constexpr int W = NZ * 16;
+  const int slices = dim / W;
+  for (int d = 0; d < dim; d += W) {
+    __m512 a[G][NZ];
+    for (int g = 0; g < G; ++g)
+      for (int z = 0; z < NZ; ++z) a[g][z] = _mm512_loadu_ps(acc + g * dim + d + z * 16);
+    for (int i = 0; i < len; ++i) {
+      ahead.part((d / W) * len + i, slices * len);
+      const float* vi = v + i * token_stride + d;
+      __m512 vz[NZ];
+      for (int z = 0; z < NZ; ++z) {
+        vz[z] = _mm512_loadu_ps(vi + z * 16);
+        __asm__("" : "+v"(vz[z]));
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(p[g * stride + i]);
+        for (int z = 0; z < NZ; ++z) a[g][z] = _mm512_fmadd_ps(w, vz[z], a[g][z]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int z = 0; z < NZ; ++z) _mm512_storeu_ps(acc + g * dim + d + z * 16, a[g][z]);
+  }
+}
+
+// The 16-lane accumulate for G rows and `dim`, or null: registers for up to 24 accumulators.
+template <int G>
+AccumulateFn wide_accumulate_for(int64_t dim) {
+  if (dim % 64 == 0 && G * 4 <= 24) return accumulate_block_wide<G, 4>;
+  if (dim % 32 == 0 && G * 2 <= 24) return accumulate_block_wide<G, 2>;
+  if (dim % 16 == 0) return accumulate_block_wide<G, 1>;
+  return nullptr;
+}
+#endif
+
 // The fastest implementation of both steps for this shape.
-void pick_block_fns(int64_t groups, int64_t dim, ScoreFn* score, AccumulateFn* accumulate) {
+// `wide`: the 16-lane accumulate where the build has AVX-512.
+void pick_block_fns(int64_t groups, int64_t dim, bool wide, ScoreFn* score,
+                    AccumulateFn* accumulate) {
   *score = score_block;
   *accumulate = accumulate_block;
 #ifdef __AVX2__
   if (dim % 8 != 0) return;
+#if defined(__AVX512F__)
+#define TOKENMILL_WIDE(G) \
+    if (wide && wide_accumulate_for<G>(dim) != nullptr) *accumulate = wide_accumulate_for<G>(dim);
+#else
+#define TOKENMILL_WIDE(G) (void)wide;
+#endif
   switch (groups) {
 #define TOKENMILL_GROUPS(G) \
-    case G: *score = score_block_g<G>; *accumulate = accumulate_block_g<G>; break;
+    case G: *score = score_block_g<G>; *accumulate = accumulate_block_g<G>; TOKENMILL_WIDE(G) break;
     TOKENMILL_GROUPS(1) TOKENMILL_GROUPS(2) TOKENMILL_GROUPS(3) TOKENMILL_GROUPS(4)
     TOKENMILL_GROUPS(5) TOKENMILL_GROUPS(6) TOKENMILL_GROUPS(7) TOKENMILL_GROUPS(8)
 #undef TOKENMILL_GROUPS
+#undef TOKENMILL_WIDE
     default: break;
   }
 #endif
@@ -308,44 +362,66 @@ struct Shape {
   bool wide;   // attend_rows takes the AVX-512 register tiles
 };
 
-// One request's query heads over positions [start, seq_len). The kv heads go round inside
-// each block, so a block's rows (all kv heads side by side) are read once, front to back.
+// Tokens of a block one pass of `attend` reads before moving on: every kv head's rows of a
+// span are scored (or accumulated) together, so the block is read front to back in a few KB
+// steps, which the hardware prefetcher follows.
+constexpr int kSpanTokens = 8;
+
+// The share of `ahead` for call `index` of `calls`: its lines split into equal runs.
+inline Prefetch share_of(Prefetch ahead, int index, int calls) {
+  if (ahead.base == nullptr) return ahead;
+  const int first = ahead.lines * index / calls, last = ahead.lines * (index + 1) / calls;
+  return Prefetch{ahead.base + first * 64, last - first};
+}
+
+// One request's query heads over positions [start, seq_len), a block at a time: the scores
+// of every head, the online softmax step of every row, then the values. Within a block each
+// pass goes span by span (kSpanTokens), all kv heads of a span together: a head at a time
+// read every block kv_heads times at a stride. With the 16-lane values step and prefetches
+// into L2, offline decode steps (SmolLM2, 2-core Xeon, alternating builds): 8 x 400 tokens
+// of context 23.2 -> 21.6 ms, 16 x 370 40.8 -> 39.7, 1 x 3000 15.4 -> 15.1.
 // Leaves the unnormalized softmax state: acc (heads * dim floats) = sum of
 // exp(score - running_max) * value, and running_max/running_sum (heads each).
-// q: heads * dim scratch; scores: groups * block_size scratch.
+// q: heads * dim scratch; scores: heads * block_size scratch.
 void attend(const float* query, const float* k_cache, const float* v_cache,
             const int64_t* table, int64_t start, int64_t seq_len, float scale, const Shape& s,
             float* q, float* scores, float* acc, float* running_max, float* running_sum) {
   const int groups = static_cast<int>(s.groups), dim = static_cast<int>(s.dim);
   const int bs = static_cast<int>(s.block_size), rows = static_cast<int>(s.heads);
+  const int kv_heads = static_cast<int>(s.kv_heads);
   for (int i = 0; i < rows * dim; ++i) q[i] = query[i] * scale;   // pre-scaled queries
   std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
   std::fill(running_sum, running_sum + rows, 0.0f);
   std::fill(acc, acc + rows * dim, 0.0f);
+  const int block_lines = static_cast<int>(s.block_stride * sizeof(float) / 64);
   for (int64_t bi = start / bs; bi * bs < seq_len; ++bi) {
     const int64_t t0 = std::max(start, bi * bs), t1 = std::min(seq_len, (bi + 1) * bs);
     const int len = static_cast<int>(t1 - t0);
     const int64_t block_first = table[bi] * s.block_stride + (t0 - bi * bs) * s.token_stride;
-    // the next block, in kv_heads equal shares, one per head's pass over this block
+    // the next block, spread over this block's calls
     const bool has_next = t1 < seq_len;
     const int64_t next_first = has_next ? table[bi + 1] * s.block_stride : 0;
-    const int share_lines = static_cast<int>(s.block_stride * sizeof(float) / 64 / s.kv_heads);
-    for (int64_t h = 0; h < s.kv_heads; ++h) {
-      const int64_t first = block_first + h * s.dim;
-      float* qh = q + h * groups * dim;
-      float* ah = acc + h * groups * dim;
-      const int64_t share = next_first + h * share_lines * (64 / sizeof(float));
-      const Prefetch next_k{has_next ? reinterpret_cast<const char*>(k_cache + share) : nullptr,
-                            share_lines};
-      const Prefetch next_v{has_next ? reinterpret_cast<const char*>(v_cache + share) : nullptr,
-                            share_lines};
-      s.score(qh, k_cache + first, s.token_stride, len, groups, dim, scores, bs, next_k);
-      for (int g = 0; g < groups; ++g) {
-        const int row = static_cast<int>(h) * groups + g;
-        softmax_step(scores + g * bs, len, ah + g * dim, dim, running_max[row], running_sum[row],
-                     s.wide);
-      }
-      s.accumulate(scores, bs, v_cache + first, s.token_stride, len, groups, dim, ah, next_v);
+    const Prefetch next_k{has_next ? reinterpret_cast<const char*>(k_cache + next_first) : nullptr,
+                          block_lines};
+    const Prefetch next_v{has_next ? reinterpret_cast<const char*>(v_cache + next_first) : nullptr,
+                          block_lines};
+    const int spans = (len + kSpanTokens - 1) / kSpanTokens, calls = spans * kv_heads;
+    for (int sp = 0; sp < spans; ++sp) {
+      const int i0 = sp * kSpanTokens, n = std::min(kSpanTokens, len - i0);
+      for (int h = 0; h < kv_heads; ++h)
+        s.score(q + h * groups * dim, k_cache + block_first + i0 * s.token_stride + h * dim,
+                s.token_stride, n, groups, dim, scores + h * groups * bs + i0, bs,
+                share_of(next_k, sp * kv_heads + h, calls));
+    }
+    for (int row = 0; row < rows; ++row)
+      softmax_step(scores + row * bs, len, acc + row * dim, dim, running_max[row],
+                   running_sum[row], s.wide);
+    for (int sp = 0; sp < spans; ++sp) {
+      const int i0 = sp * kSpanTokens, n = std::min(kSpanTokens, len - i0);
+      for (int h = 0; h < kv_heads; ++h)
+        s.accumulate(scores + h * groups * bs + i0, bs,
+                     v_cache + block_first + i0 * s.token_stride + h * dim, s.token_stride, n,
+                     groups, dim, acc + h * groups * dim, share_of(next_v, sp * kv_heads + h, calls));
     }
   }
 }
@@ -827,7 +903,7 @@ void attend_with_groups(const std::vector<SharedGroup>& groups, const float* q, 
   };
   const auto make_scratch = [&] {
     return Scratch{std::vector<float>(std::max(max_rows, rows) * dim),
-                   std::vector<float>(max_rows * step_keys(bs)),
+                   std::vector<float>(std::max(max_rows * step_keys(bs), rows * bs)),
                    std::vector<float>(dim * step_keys(bs)),
                    std::vector<float>(max_rows * dim), std::vector<float>(max_rows),
                    std::vector<float>(max_rows)};
@@ -911,8 +987,8 @@ Shape checked_shape(const torch::Tensor& out, const torch::Tensor& query,
   s.max_blocks = max_blocks;
   s.token_stride = s.kv_heads * s.dim;
   s.block_stride = s.block_size * s.token_stride;
-  pick_block_fns(s.groups, s.dim, &s.score, &s.accumulate);
   s.wide = use_wide_tiles;
+  pick_block_fns(s.groups, s.dim, s.wide, &s.score, &s.accumulate);
   return s;
 }
 
@@ -976,7 +1052,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   };
   const auto make_scratch = [&] {
     return Scratch{std::vector<float>(rows * s.dim),
-                   std::vector<float>(s.groups * s.block_size), std::vector<float>(rows * s.dim)};
+                   std::vector<float>(rows * s.block_size), std::vector<float>(rows * s.dim)};
   };
   // one slice at a time from the shared counter (kernels/work_sharing.h)
   tokenmill_parallel::parallel_chunks_with(static_cast<int64_t>(slices.size()), 1, make_scratch,

@@ -326,31 +326,38 @@ AccumulateFn wide_accumulate_for(int64_t dim) {
   if (dim % 16 == 0) return accumulate_block_wide<G, 1>;
   return nullptr;
 }
+
+AccumulateFn wide_accumulate(int64_t groups, int64_t dim) {
+  switch (groups) {
+#define TOKENMILL_GROUPS(G) case G: return wide_accumulate_for<G>(dim);
+    TOKENMILL_GROUPS(1) TOKENMILL_GROUPS(2) TOKENMILL_GROUPS(3) TOKENMILL_GROUPS(4)
+    TOKENMILL_GROUPS(5) TOKENMILL_GROUPS(6) TOKENMILL_GROUPS(7) TOKENMILL_GROUPS(8)
+#undef TOKENMILL_GROUPS
+    default: return nullptr;
+  }
+}
 #endif
 
 // The fastest implementation of both steps for this shape.
 // `wide`: the 16-lane accumulate where the build has AVX-512.
 void pick_block_fns(int64_t groups, int64_t dim, bool wide, ScoreFn* score,
                     AccumulateFn* accumulate) {
+  (void)wide;
   *score = score_block;
   *accumulate = accumulate_block;
 #ifdef __AVX2__
   if (dim % 8 != 0) return;
-#if defined(__AVX512F__)
-#define TOKENMILL_WIDE(G) \
-    if (wide && wide_accumulate_for<G>(dim) != nullptr) *accumulate = wide_accumulate_for<G>(dim);
-#else
-#define TOKENMILL_WIDE(G) (void)wide;
-#endif
   switch (groups) {
 #define TOKENMILL_GROUPS(G) \
-    case G: *score = score_block_g<G>; *accumulate = accumulate_block_g<G>; TOKENMILL_WIDE(G) break;
+    case G: *score = score_block_g<G>; *accumulate = accumulate_block_g<G>; break;
     TOKENMILL_GROUPS(1) TOKENMILL_GROUPS(2) TOKENMILL_GROUPS(3) TOKENMILL_GROUPS(4)
     TOKENMILL_GROUPS(5) TOKENMILL_GROUPS(6) TOKENMILL_GROUPS(7) TOKENMILL_GROUPS(8)
 #undef TOKENMILL_GROUPS
-#undef TOKENMILL_WIDE
     default: break;
   }
+#if defined(__AVX512F__)
+  if (AccumulateFn f = wide ? wide_accumulate(groups, dim) : nullptr) *accumulate = f;
+#endif
 #endif
 }
 
@@ -364,7 +371,7 @@ struct Shape {
 
 // Tokens of a block one pass of `attend` reads before moving on: every kv head's rows of a
 // span are scored (or accumulated) together, so the block is read front to back in a few KB
-// steps, which the hardware prefetcher follows.
+// steps rather than in kv_heads strided passes.
 constexpr int kSpanTokens = 8;
 
 // The share of `ahead` for call `index` of `calls`: its lines split into equal runs.
@@ -406,23 +413,25 @@ void attend(const float* query, const float* k_cache, const float* v_cache,
     const Prefetch next_v{has_next ? reinterpret_cast<const char*>(v_cache + next_first) : nullptr,
                           block_lines};
     const int spans = (len + kSpanTokens - 1) / kSpanTokens, calls = spans * kv_heads;
-    for (int sp = 0; sp < spans; ++sp) {
-      const int i0 = sp * kSpanTokens, n = std::min(kSpanTokens, len - i0);
-      for (int h = 0; h < kv_heads; ++h)
-        s.score(q + h * groups * dim, k_cache + block_first + i0 * s.token_stride + h * dim,
-                s.token_stride, n, groups, dim, scores + h * groups * bs + i0, bs,
-                share_of(next_k, sp * kv_heads + h, calls));
-    }
+    // step(i0, n, h, offset, call): kv head h's n rows from token i0 (cache `offset`)
+    const auto each_span_head = [&](auto&& step) {
+      for (int sp = 0; sp < spans; ++sp) {
+        const int i0 = sp * kSpanTokens, n = std::min(kSpanTokens, len - i0);
+        for (int h = 0; h < kv_heads; ++h)
+          step(i0, n, h, block_first + i0 * s.token_stride + h * dim, sp * kv_heads + h);
+      }
+    };
+    each_span_head([&](int i0, int n, int h, int64_t offset, int call) {
+      s.score(q + h * groups * dim, k_cache + offset, s.token_stride, n, groups, dim,
+              scores + h * groups * bs + i0, bs, share_of(next_k, call, calls));
+    });
     for (int row = 0; row < rows; ++row)
       softmax_step(scores + row * bs, len, acc + row * dim, dim, running_max[row],
                    running_sum[row], s.wide);
-    for (int sp = 0; sp < spans; ++sp) {
-      const int i0 = sp * kSpanTokens, n = std::min(kSpanTokens, len - i0);
-      for (int h = 0; h < kv_heads; ++h)
-        s.accumulate(scores + h * groups * bs + i0, bs,
-                     v_cache + block_first + i0 * s.token_stride + h * dim, s.token_stride, n,
-                     groups, dim, acc + h * groups * dim, share_of(next_v, sp * kv_heads + h, calls));
-    }
+    each_span_head([&](int i0, int n, int h, int64_t offset, int call) {
+      s.accumulate(scores + h * groups * bs + i0, bs, v_cache + offset, s.token_stride, n,
+                   groups, dim, acc + h * groups * dim, share_of(next_v, call, calls));
+    });
   }
 }
 

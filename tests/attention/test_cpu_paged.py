@@ -191,6 +191,12 @@ def random_prefill(gen: torch.Generator, cached: int, query_len: int, kv_heads: 
     return query, key, value, caches, span
 
 
+def call_prefill(kernel, out, query, caches, block_table, seq_len, scale) -> bool:
+    """The kernel on one chunk: every row of query, ending at seq_len."""
+    spans = torch.tensor([[0, query.shape[0], seq_len, 0]])
+    return kernel.paged_prefill_attention(out, query, *caches, spans, block_table, scale)
+
+
 def run_prefill(backend, query, key, value, caches, span):
     return backend._prefill(query, key, value, caches[0], caches[1], span, None)
 
@@ -213,6 +219,65 @@ def test_prefill_kernel_matches_reference(cached, query_len, kv_heads, groups, b
     assert (got - expected).abs().max().item() < 1e-4
 
 
+def random_mixed_step(gen: torch.Generator, decode_lens: list[int],
+                      chunks: list[tuple[int, int]], kv_heads: int, groups: int):
+    """A step's q/k/v (q a view into a wider projection, as in the model) and metadata:
+    decodes of the given context lengths first, then prefill chunks of (cached, new) tokens,
+    each request on its own random blocks of one pool."""
+    free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))]
+              for n in decode_lens + [c + q for c, q in chunks]]
+    slots, spans, row = [], [], len(decode_lens)
+    for table, n in zip(tables, decode_lens):
+        slots.append(table[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE)
+    for table, (cached, new) in zip(tables[len(decode_lens):], chunks):
+        slots.extend(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                     for p in range(cached, cached + new))
+        spans.append(PrefillSpan(row, new, cached + new, torch.tensor(table)))
+        row += new
+    heads, width = kv_heads * groups, max([len(t) for t in tables[:len(decode_lens)]] or [1])
+    lens = torch.tensor(decode_lens, dtype=torch.long)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), num_decodes=len(decode_lens),
+        decode_block_table=torch.tensor([t + [0] * (width - len(t))
+                                         for t in tables[:len(decode_lens)]]).view(-1, width),
+        decode_seq_lens=lens, prefills=spans,
+        decode_mask=decode_mask(lens, width * BLOCK_SIZE, None))
+    qkv = torch.randn(row, heads + 2 * kv_heads, HEAD_DIM, generator=gen)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, kv_heads, HEAD_DIM)
+    caches = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    return (qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], caches,
+            meta)
+
+
+@settings(max_examples=30, deadline=None)
+@given(decode_lens=st.lists(st.integers(1, 300), max_size=3),
+       chunks=st.lists(st.tuples(st.integers(0, 400), st.integers(1, 200)), min_size=1,
+                       max_size=4),
+       kv_heads=st.sampled_from([1, 3]), groups=st.sampled_from([1, 3]),
+       seed=st.integers(0, 2**16))
+def test_a_steps_chunks_in_one_call_match_the_reference(decode_lens, chunks, kv_heads, groups,
+                                                        seed):
+    # A mixed step through the backend: the kernel takes every chunk in one call, its work
+    # items across requests. It equals the reference step, and bit for bit the kernel run on
+    # each chunk alone (a row's arithmetic does not depend on which item holds it).
+    gen = torch.Generator().manual_seed(seed)
+    query, key, value, caches, meta = random_mixed_step(gen, decode_lens, chunks, kv_heads,
+                                                        groups)
+    heads, scale = kv_heads * groups, HEAD_DIM ** -0.5
+    reference, paged = (cls(heads, kv_heads, HEAD_DIM, scale)
+                        for cls in (TorchReferenceBackend, CpuPagedBackend))
+    expected = reference.forward(query, key, value, tuple(c.clone() for c in caches), meta)
+    got = paged.forward(query, key, value, caches, meta)
+    assert (got - expected).abs().max().item() < 1e-4
+    for span in meta.prefills:
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        alone = torch.empty_like(query[rows])
+        assert call_prefill(load_kernel(), alone, query[rows], caches, span.block_table,
+                            span.seq_len, scale)
+        assert torch.equal(got[rows].view_as(alone), alone)
+
+
 def test_prefill_kernel_output_is_the_same_on_any_number_of_threads():
     gen = torch.Generator().manual_seed(5)
     query, _, _, caches, span = random_prefill(gen, 333, 200, 3, 3, BLOCK_SIZE, HEAD_DIM)
@@ -222,8 +287,8 @@ def test_prefill_kernel_output_is_the_same_on_any_number_of_threads():
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             out = torch.empty_like(query)
-            assert kernel.paged_prefill_attention(out, query, *caches, span.block_table,
-                                                  span.seq_len, HEAD_DIM ** -0.5)
+            assert call_prefill(kernel, out, query, caches, span.block_table, span.seq_len,
+                                HEAD_DIM ** -0.5)
             outs.append(out)
     finally:
         torch.set_num_threads(before)
@@ -256,8 +321,8 @@ def test_avx512_tiles_give_bitwise_the_avx2_tiles_output(cached, query_len, grou
     def run() -> list[torch.Tensor]:
         prefill_out, decode_out = torch.empty_like(query), torch.empty_like(decodes[2])
         lone_out = torch.empty_like(lone)
-        assert kernel.paged_prefill_attention(prefill_out, query, *caches, span.block_table,
-                                              span.seq_len, scale)
+        assert call_prefill(kernel, prefill_out, query, caches, span.block_table, span.seq_len,
+                            scale)
         table, lens, decode_query = decodes
         kernel.paged_decode_attention(decode_out, decode_query, *caches, table, lens, scale, -1)
         kernel.paged_decode_attention(lone_out, lone, *caches, span.block_table[None],
@@ -274,8 +339,8 @@ def test_prefill_kernel_leaves_shapes_it_does_not_take_to_the_reference():
     gen = torch.Generator().manual_seed(6)
     query, key, value, caches, span = random_prefill(gen, 20, 9, 2, 2, BLOCK_SIZE, 36)
     out = torch.full_like(query, 7.0)
-    assert not load_kernel().paged_prefill_attention(out, query, *caches, span.block_table,
-                                                     span.seq_len, 0.1)   # head_dim 36
+    assert not call_prefill(load_kernel(), out, query, caches, span.block_table, span.seq_len,
+                            0.1)   # head_dim 36
     assert torch.equal(out, torch.full_like(query, 7.0))
     expected = run_prefill(TorchReferenceBackend(4, 2, 36, 0.1), query, key, value, caches, span)
     got = run_prefill(CpuPagedBackend(4, 2, 36, 0.1), query, key, value, caches, span)
@@ -296,8 +361,7 @@ def test_long_uncached_chunks_take_the_faster_path():
         assert backend.sdpa_from is None
         query, _, _, caches, span = args
         direct = torch.empty_like(query)
-        assert kernel.paged_prefill_attention(direct, query, *caches, span.block_table,
-                                              span.seq_len, scale)
+        assert call_prefill(kernel, direct, query, caches, span.block_table, span.seq_len, scale)
         assert torch.equal(got, direct)
         assert (got - expected).abs().max().item() < 1e-4
     else:
@@ -312,11 +376,11 @@ def test_prefill_kernel_rejects_bad_spans():
     bad = span.block_table.clone()
     bad[1] = NUM_BLOCKS
     with pytest.raises(RuntimeError, match="block id out of range"):
-        kernel.paged_prefill_attention(out, query, *caches, bad, span.seq_len, 1.0)
+        call_prefill(kernel, out, query, caches, bad, span.seq_len, 1.0)
     with pytest.raises(RuntimeError, match="seq_len must cover the query"):
-        kernel.paged_prefill_attention(out, query, *caches, span.block_table, 7, 1.0)
+        call_prefill(kernel, out, query, caches, span.block_table, 7, 1.0)
     with pytest.raises(RuntimeError, match="seq_len must cover the query"):
-        kernel.paged_prefill_attention(out, query, *caches, span.block_table[:2], 48, 1.0)
+        call_prefill(kernel, out, query, caches, span.block_table[:2], 48, 1.0)
 
 
 PREFIX = ("You are a careful assistant for a railway company. Answer questions about timetables, "

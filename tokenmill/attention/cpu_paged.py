@@ -3,8 +3,8 @@
 The reference backend gathers every decode's blocks into a padded copy per layer; with many
 requests over a shared prefix that copy dominates the step. The decode kernel reads each block
 where it lives (shared blocks stay in L2/L3), so decodes cost their arithmetic only. The
-prefill kernel does the same for a chunk's causal attention over its context, without the
-gathered copy and the mask that SDPA needs once part of the context is cached. Sliding
+prefill kernel does the same for the causal attention of every chunk of a step, in one call,
+without the gathered copy and the mask that SDPA needs once part of the context is cached. Sliding
 windows and any non-fp32 or non-CPU input keep the reference path, which is also the test
 oracle.
 
@@ -67,17 +67,32 @@ class CpuPagedBackend(TorchReferenceBackend):
                                            self.scale, window)
         return out
 
+    def _prefills(self, query, key, value, k_cache, v_cache, meta, out) -> None:
+        """All of the step's chunks in one kernel call (items across requests, one fork), each
+        causal over its context read in place (no gathered copy, no mask tensor)."""
+        if self._kernel_takes(query, k_cache, meta.sliding_window) and not any(
+                self._sdpa_takes(span) for span in meta.prefills):
+            spans, tables = meta.packed_prefills
+            if self.kernel.paged_prefill_attention(out, query, k_cache, v_cache, spans, tables,
+                                                   self.scale):
+                return
+        super()._prefills(query, key, value, k_cache, v_cache, meta, out)
+
     def _prefill(self, query, key, value, k_cache, v_cache, span, window) -> torch.Tensor:
-        """query: [query_len, heads, head_dim] of one chunk -> same shape, causal over its
-        context, read in place (no gathered copy, no mask tensor)."""
-        uncached_long = (self.sdpa_from is not None
-                         and span.seq_len == span.query_len >= self.sdpa_from)
-        if (self.kernel is not None and window is None and not uncached_long
-                and query.dtype == torch.float32 and k_cache.dtype == torch.float32
-                and query.device.type == "cpu"):
-            query = query.contiguous()
+        """query: [query_len, heads, head_dim] of one chunk -> same shape."""
+        if self._kernel_takes(query, k_cache, window) and not self._sdpa_takes(span):
             out = torch.empty_like(query)
-            if self.kernel.paged_prefill_attention(out, query, k_cache, v_cache,
-                                                   span.block_table, span.seq_len, self.scale):
+            spans = torch.tensor([[0, span.query_len, span.seq_len, 0]])
+            if self.kernel.paged_prefill_attention(out, query, k_cache, v_cache, spans,
+                                                   span.block_table, self.scale):
                 return out
         return super()._prefill(query, key, value, k_cache, v_cache, span, window)
+
+    def _kernel_takes(self, query: torch.Tensor, k_cache: torch.Tensor,
+                      window: int | None) -> bool:
+        return (self.kernel is not None and window is None and query.dtype == torch.float32
+                and k_cache.dtype == torch.float32 and query.device.type == "cpu")
+
+    def _sdpa_takes(self, span) -> bool:
+        """A long chunk with nothing cached before it, where SDPA is the faster path."""
+        return self.sdpa_from is not None and span.seq_len == span.query_len >= self.sdpa_from

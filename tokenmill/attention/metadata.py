@@ -7,6 +7,7 @@ chunks. Built once per step by the model runner.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -29,6 +30,23 @@ class AttentionMetadata:
     sliding_window: int | None = None   # attend to at most this many latest positions
     # [num_decodes, 1, 1, max_blocks * block_size] additive mask, built once per step
     decode_mask: torch.Tensor | None = None
+
+    @cached_property
+    def packed_prefills(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill spans as one int64 [num_spans, 4] tensor (query_start, query_len,
+        seq_len, offset of the span's blocks) and their block tables end to end: what a kernel
+        taking every chunk of the step in one call reads. Built on first use, once a step."""
+        offsets, offset = [], 0
+        for span in self.prefills:
+            offsets.append(offset)
+            offset += span.block_table.numel()
+        device = self.slot_mapping.device
+        spans = torch.tensor([[span.query_start, span.query_len, span.seq_len, start]
+                              for span, start in zip(self.prefills, offsets)],
+                             dtype=torch.long, device=device).view(-1, 4)
+        tables = (torch.cat([span.block_table for span in self.prefills]) if self.prefills
+                  else torch.empty(0, dtype=torch.long, device=device))
+        return spans, tables
 
 
 @dataclass

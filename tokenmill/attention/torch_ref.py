@@ -70,11 +70,18 @@ class TorchReferenceBackend:
         out = torch.empty_like(query)
         if meta.num_decodes:
             out[:meta.num_decodes] = self._decode(query[:meta.num_decodes], k_cache, v_cache, meta)
+        if meta.prefills:
+            self._prefills(query, key, value, k_cache, v_cache, meta, out)
+        return out.view(query.shape[0], -1)
+
+    def _prefills(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  out: torch.Tensor) -> None:
+        """Every prefill chunk's attention into its rows of out, one chunk at a time."""
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
             out[rows] = self._prefill(query[rows], key[rows], value[rows], k_cache, v_cache,
                                       span, meta.sliding_window)
-        return out.view(query.shape[0], -1)
 
     def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

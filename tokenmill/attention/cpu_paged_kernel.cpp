@@ -1087,38 +1087,65 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   }
 }
 
-// Query rows per work item of paged_prefill_attention: 96 when that leaves at least 4 items a
-// thread, else 48. An item streams its whole context through once, so the more rows it takes
-// the less is read (30 layers, 48 -> 96 rows: 512 new tokens over 2560 cached 533 -> 478 ms;
-// 3000 uncached 1.62 -> 1.42 s), but a short chunk over a long context needs the items to
-// share out (32 tokens over 3000: 38 ms at 48 rows, 46 at 96).
-static int64_t prefill_rows_per_item(const std::vector<int64_t>& chunk_rows, int64_t kv_heads,
-                                     int threads) {
-  constexpr int64_t kMostRows = 16 * kRowTile, kItemsPerThread = 4;
-  int64_t items = 0;
-  for (int64_t rows : chunk_rows) items += (rows + kMostRows - 1) / kMostRows * kv_heads;
-  return items >= kItemsPerThread * threads ? kMostRows : kMostRows / 2;
-}
-
 namespace {
 
-// One request's prefill chunk in a batch: query rows [start, start + len) at positions
-// [seq_len - len, seq_len), its block table, and where its transposed keys go (if anywhere).
+// One request's prefill chunk in a step: query rows [start, start + len) at positions
+// [seq_len - len, seq_len), its block table, and where its keys are transposed up front.
 struct PrefillChunk {
   int64_t start, len, seq_len;
   const int64_t* table;
-  int64_t row_blocks, steps;
-  float* keys;   // kv_heads * steps transposed key steps, or null: each item transposes its own
+  int64_t steps = 0;      // kStepKeys-key steps of its context (transpose_keys_up_front)
+  int64_t keys = -1;      // offset of its kv_heads * steps transposed steps (-1: none)
 };
 
 // A work item: query rows [r0, r0 + n) of a chunk (row = token * groups + head in the group)
-// for one kv head.
+// for one kv head; cost = rows x the keys the last of them sees.
 struct PrefillItem {
   int64_t chunk, head, r0, n, cost;
 };
 
-// Every chunk's items, the most work (rows x keys they see) first across the whole batch, so
-// the long ones are not left for the end.
+// The chunks of `spec` ([n, 4]: first query row, query rows, seq_len, offset of the block
+// table in `tables`), each checked (nothing may throw inside the parallel region); empty ones
+// left out.
+std::vector<PrefillChunk> checked_chunks(const torch::Tensor& spec, const torch::Tensor& tables,
+                                         int64_t num_tokens, int64_t num_blocks, const Shape& s) {
+  TORCH_CHECK(spec.scalar_type() == torch::kInt64 && spec.dim() == 2 && spec.size(1) == 4 &&
+                  spec.is_contiguous(), "chunks must be contiguous int64 [num_chunks, 4]");
+  TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.dim() == 1 &&
+                  tables.is_contiguous(), "tables must be contiguous int64 [blocks]");
+  const int64_t* row = spec.data_ptr<int64_t>();
+  const int64_t* all_tables = tables.data_ptr<int64_t>();
+  std::vector<PrefillChunk> chunks;
+  for (int64_t c = 0; c < spec.size(0); ++c, row += 4) {
+    const int64_t start = row[0], len = row[1], seq_len = row[2], offset = row[3];
+    const int64_t blocks = (seq_len + s.block_size - 1) / s.block_size;
+    TORCH_CHECK(start >= 0 && len >= 0 && start + len <= num_tokens,
+                "chunk rows out of range of the query");
+    TORCH_CHECK(len <= seq_len && offset >= 0 && offset + blocks <= tables.size(0),
+                "seq_len must cover the query and fit the block table");
+    for (int64_t b = offset; b < offset + blocks; ++b)
+      TORCH_CHECK(all_tables[b] >= 0 && all_tables[b] < num_blocks, "block id out of range");
+    if (len > 0) chunks.push_back({start, len, seq_len, all_tables + offset});
+  }
+  return chunks;
+}
+
+// Query rows per work item: 96 when that leaves at least 4 items a thread, else 48. An item
+// streams its whole context through once, so the more rows it takes the less is read (30
+// layers, 48 -> 96 rows: 512 new tokens over 2560 cached 533 -> 478 ms; 3000 uncached 1.62 ->
+// 1.42 s), but a short chunk over a long context needs the items to share out (32 tokens over
+// 3000: 38 ms at 48 rows, 46 at 96).
+int64_t prefill_rows_per_item(const std::vector<PrefillChunk>& chunks, const Shape& s,
+                              int threads) {
+  constexpr int64_t kMostRows = 16 * kRowTile, kItemsPerThread = 4;
+  int64_t items = 0;
+  for (const PrefillChunk& chunk : chunks)
+    items += (chunk.len * s.groups + kMostRows - 1) / kMostRows * s.kv_heads;
+  return items >= kItemsPerThread * threads ? kMostRows : kMostRows / 2;
+}
+
+// Every chunk's items, the most work first across the whole step, so that the long ones are
+// not left for the end.
 std::vector<PrefillItem> prefill_items(const std::vector<PrefillChunk>& chunks, int64_t row_block,
                                        const Shape& s) {
   std::vector<PrefillItem> items;
@@ -1137,99 +1164,80 @@ std::vector<PrefillItem> prefill_items(const std::vector<PrefillChunk>& chunks, 
   return items;
 }
 
+#ifdef __AVX2__
+// With more than two items a kv head, each would transpose the same keys: a chunk's keys are
+// transposed once, up front, into the returned buffer at its `keys` offset (30 layers: 3000
+// uncached tokens 1.41 -> 1.35 s, 512 over 2560 cached 471 -> 409 ms; with 2 items a head it
+// did not pay, 32 tokens over 3000: 38 -> 40 ms). One fork for every chunk's steps.
+std::vector<float> transpose_keys_up_front(std::vector<PrefillChunk>& chunks, int64_t row_block,
+                                           const float* k_cache, const Shape& s) {
+  const int64_t step_floats = s.dim * step_keys(s.block_size);
+  struct KeyStep {
+    const PrefillChunk* chunk;
+    int64_t head, step;
+  };
+  std::vector<KeyStep> steps;
+  int64_t floats = 0;
+  for (PrefillChunk& chunk : chunks) {
+    chunk.steps = (chunk.seq_len + step_keys(s.block_size) - 1) / step_keys(s.block_size);
+    if ((chunk.len * s.groups + row_block - 1) / row_block <= 2) continue;
+    chunk.keys = floats;
+    floats += s.kv_heads * chunk.steps * step_floats;
+    for (int64_t h = 0; h < s.kv_heads; ++h)
+      for (int64_t i = 0; i < chunk.steps; ++i) steps.push_back({&chunk, h, i});
+  }
+  std::vector<float> keys(floats);
+  const int64_t per_step = step_blocks(s.block_size);
+  tokenmill_parallel::parallel_chunks(static_cast<int64_t>(steps.size()), 1,
+                                      [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const PrefillChunk& chunk = *steps[i].chunk;
+      const int64_t b = steps[i].step * per_step;
+      const int64_t blocks = (chunk.seq_len + s.block_size - 1) / s.block_size;
+      transpose_step_keys(k_cache, chunk.table, b,
+                          static_cast<int>(std::min(per_step, blocks - b)), steps[i].head, s,
+                          keys.data() + chunk.keys +
+                              (steps[i].head * chunk.steps + steps[i].step) * step_floats);
+    }
+  });
+  return keys;
+}
+#endif
+
 }  // namespace
 
-// Causal attention of a step's prefill chunks, all in one call (work items across requests,
-// one fork for the keys and one for the items rather than two a request; offline, 16 prompts
-// of 64-512 tokens at once, 512-token steps: the last first token 3.96 -> 3.84 s, mean of
-// 3 seeds x 2 alternating runs, 2-core Xeon). query [T, heads,
-// head_dim] (its token stride free: a view of the qkv projection's output) and out [T, heads,
-// head_dim]; chunks [n, 4] int64 rows (first query row, query rows, seq_len, offset of its
-// block table in `tables`): each chunk's rows are the positions [seq_len - rows, seq_len) of
-// a request, over its context read in place through its blocks (in order, the chunk's keys
-// and values already written). Rows of out outside every chunk are left alone. Work item =
-// (chunk, kv head, 48-96 query rows), rows being (token, query head of the group) pairs scored
-// against each block at once (attend_rows). Returns false, leaving out untouched, for what it
-// does not take (no AVX2, head_dim or block_size not a multiple of 8): the caller's reference
-// path does.
+// Causal attention of a step's prefill chunks, all in one call: work items across requests,
+// one fork for the keys and one for the items (one call a chunk forked twice a chunk; offline,
+// 16 prompts of 64-512 tokens at once in 512-token steps: the last first token 3.96 -> 3.84 s,
+// 2-core Xeon). query [T, heads, head_dim], its token stride free (a view of the qkv
+// projection's output); out [T, heads, head_dim]. chunks [n, 4] int64: first query row, query
+// rows, seq_len, offset of the chunk's block table in `tables`. A chunk's rows are the
+// positions [seq_len - rows, seq_len) of a request, attending causally to its context read in
+// place through its blocks (in order; the chunk's keys and values already written). Rows of
+// out in no chunk are left alone. Work item = (chunk, kv head, 48-96 query rows), rows being
+// (token, query head of the group) pairs scored against each block at once (attend_rows).
+// Returns false, leaving out untouched, for what it does not take (no AVX2, head_dim or
+// block_size not a multiple of 8): the caller's reference path does.
 bool paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
                              torch::Tensor v_cache, torch::Tensor chunks, torch::Tensor tables,
                              double scale) {
-  TORCH_CHECK(chunks.scalar_type() == torch::kInt64 && chunks.dim() == 2 &&
-                  chunks.size(1) == 4 && chunks.is_contiguous(),
-              "chunks must be contiguous int64 [num_chunks, 4]");
-  TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.dim() == 1 &&
-                  tables.is_contiguous(), "tables must be contiguous int64 [blocks]");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2) &&
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && query.stride(2) == 1 &&
+                  query.stride(1) == query.size(2) &&
                   query.stride(0) >= query.size(1) * query.size(2),
-              "query must be [num, heads, head_dim] with contiguous heads");
-  const Shape s = checked_shape(out, out, k_cache, v_cache, 0);
-  TORCH_CHECK(out.sizes() == query.sizes(), "query/out must have the same shape");
+              "query must be [num, heads, head_dim] with contiguous heads, out of its shape");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.device().is_cpu(),
               "query must be float32 on the CPU");
-  const int64_t* spec = chunks.data_ptr<int64_t>();
-  const int64_t* all_tables = tables.data_ptr<int64_t>();
-  const int64_t num_tokens = query.size(0), num_blocks = k_cache.size(0);
-  std::vector<PrefillChunk> batch;
-  std::vector<int64_t> chunk_rows;
-  // Checked up front: nothing may throw inside the parallel region.
-  for (int64_t c = 0; c < chunks.size(0); ++c) {
-    const int64_t start = spec[4 * c], len = spec[4 * c + 1], seq_len = spec[4 * c + 2];
-    const int64_t offset = spec[4 * c + 3], blocks = (seq_len + s.block_size - 1) / s.block_size;
-    TORCH_CHECK(start >= 0 && len >= 0 && start + len <= num_tokens,
-                "chunk rows out of range of the query");
-    TORCH_CHECK(len <= seq_len && offset >= 0 && offset + blocks <= tables.size(0),
-                "seq_len must cover the query and fit the block table");
-    for (int64_t b = 0; b < blocks; ++b)
-      TORCH_CHECK(all_tables[offset + b] >= 0 && all_tables[offset + b] < num_blocks,
-                  "block id out of range");
-    if (len > 0) {
-      batch.push_back({start, len, seq_len, all_tables + offset, 0, 0, nullptr});
-      chunk_rows.push_back(len * s.groups);
-    }
-  }
+  const Shape s = checked_shape(out, out, k_cache, v_cache, 0);
+  std::vector<PrefillChunk> batch = checked_chunks(chunks, tables, query.size(0),
+                                                   k_cache.size(0), s);
 #ifdef __AVX2__
   if (s.dim % 8 != 0 || s.block_size % 8 != 0) return false;
   if (batch.empty()) return true;
-  const int64_t row_block = prefill_rows_per_item(chunk_rows, s.kv_heads, at::get_num_threads());
+  const int64_t row_block = prefill_rows_per_item(batch, s, at::get_num_threads());
   const int64_t dim = s.dim, step_floats = dim * step_keys(s.block_size);
-  // With several items a head, each would transpose the same keys: done once, up front (30
-  // layers: 3000 uncached tokens 1.41 -> 1.35 s, 512 over 2560 cached 471 -> 409 ms; with 2
-  // items a head it did not pay, 32 tokens over 3000: 38 -> 40 ms).
-  int64_t key_floats = 0;
-  std::vector<int64_t> key_offset(batch.size(), -1);
-  struct KeyStep {
-    int64_t chunk, head, step;
-  };
-  std::vector<KeyStep> key_steps;
-  for (size_t c = 0; c < batch.size(); ++c) {
-    PrefillChunk& chunk = batch[c];
-    chunk.row_blocks = (chunk_rows[c] + row_block - 1) / row_block;
-    chunk.steps = (chunk.seq_len + step_keys(s.block_size) - 1) / step_keys(s.block_size);
-    if (chunk.row_blocks <= 2) continue;
-    key_offset[c] = key_floats;
-    key_floats += s.kv_heads * chunk.steps * step_floats;
-    for (int64_t h = 0; h < s.kv_heads; ++h)
-      for (int64_t i = 0; i < chunk.steps; ++i)
-        key_steps.push_back({static_cast<int64_t>(c), h, i});
-  }
-  std::vector<float> keys(key_floats);
-  for (size_t c = 0; c < batch.size(); ++c)
-    if (key_offset[c] >= 0) batch[c].keys = keys.data() + key_offset[c];
-  const int64_t per_step = step_blocks(s.block_size);
   const float* kc = k_cache.data_ptr<float>();
   const float* vc = v_cache.data_ptr<float>();
-  tokenmill_parallel::parallel_chunks(static_cast<int64_t>(key_steps.size()), 1,
-                                      [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const KeyStep& k = key_steps[i];
-      const PrefillChunk& chunk = batch[k.chunk];
-      const int64_t b = k.step * per_step;
-      const int64_t blocks = (chunk.seq_len + s.block_size - 1) / s.block_size;
-      transpose_step_keys(kc, chunk.table, b, static_cast<int>(std::min(per_step, blocks - b)),
-                          k.head, s, chunk.keys + (k.head * chunk.steps + k.step) * step_floats);
-    }
-  });
+  const std::vector<float> keys = transpose_keys_up_front(batch, row_block, kc, s);
   const std::vector<PrefillItem> items = prefill_items(batch, row_block, s);
   const float* q = query.data_ptr<float>();
   const int64_t q_stride = query.stride(0);
@@ -1252,21 +1260,24 @@ bool paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
     for (int64_t i = begin; i < end; ++i) {
       const PrefillItem& item = items[i];
       const PrefillChunk& chunk = batch[item.chunk];
-      const int64_t first_pos = chunk.seq_len - chunk.len, h = item.head, n = item.n;
+      const int64_t h = item.head, n = item.n;
+      const auto row_of = [&](int64_t r) {   // (query row of out, query head)
+        return std::pair{chunk.start + (item.r0 + r) / s.groups,
+                         h * s.groups + (item.r0 + r) % s.groups};
+      };
       for (int64_t r = 0; r < n; ++r) {
-        const int64_t token = (item.r0 + r) / s.groups;
-        const int64_t head = h * s.groups + (item.r0 + r) % s.groups;
-        const float* src = q + (chunk.start + token) * q_stride + head * dim;
+        const auto [token, head] = row_of(r);
+        const float* src = q + token * q_stride + head * dim;
         for (int64_t d = 0; d < dim; ++d) q_buf[r * dim + d] = src[d] * fscale;
-        pos[r] = first_pos + token;
+        pos[r] = chunk.seq_len - chunk.len + (token - chunk.start);
       }
+      const float* ready =
+          chunk.keys < 0 ? nullptr : keys.data() + chunk.keys + h * chunk.steps * step_floats;
       attend_rows(q_buf.data(), static_cast<int>(n), kc, vc, chunk.table, 0,
                   pos[n - 1] / s.block_size + 1, h, s, RowLimits{pos.data(), chunk.seq_len},
-                  chunk.keys ? chunk.keys + h * chunk.steps * step_floats : nullptr, kt.data(),
-                  scores.data(), acc.data(), mx.data(), sm.data());
+                  ready, kt.data(), scores.data(), acc.data(), mx.data(), sm.data());
       for (int64_t r = 0; r < n; ++r) {
-        const int64_t token = chunk.start + (item.r0 + r) / s.groups;
-        const int64_t head = h * s.groups + (item.r0 + r) % s.groups;
+        const auto [token, head] = row_of(r);
         normalize(acc.data() + r * dim, sm.data() + r, 1, dim, o + (token * s.heads + head) * dim);
       }
     }

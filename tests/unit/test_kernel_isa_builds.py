@@ -41,8 +41,9 @@ def test_kernels_build_and_agree_without_avx512(isa):
     table = torch.randperm(50, generator=gen)[:20].contiguous()
     query = torch.randn(100, 9, 64, generator=gen)
     expected, got = torch.empty_like(query), torch.empty_like(query)
-    assert native.paged_prefill_attention(expected, query, k_cache, v_cache, table, 300, 0.125)
-    if attention.paged_prefill_attention(got, query, k_cache, v_cache, table, 300, 0.125):
+    chunks = torch.tensor([[0, 60, 200, 0], [60, 40, 300, 0]])   # two requests, one table
+    assert native.paged_prefill_attention(expected, query, k_cache, v_cache, chunks, table, 0.125)
+    if attention.paged_prefill_attention(got, query, k_cache, v_cache, chunks, table, 0.125):
         # AVX2 tiles: the same FMAs in the same order as the native build's tiles
         assert isa == "avx2" and torch.equal(got, expected)
     else:

@@ -1096,6 +1096,8 @@ struct PrefillChunk {
   const int64_t* table;
   int64_t steps = 0;      // kStepKeys-key steps of its context (transpose_keys_up_front)
   int64_t keys = -1;      // offset of its kv_heads * steps transposed steps (-1: none)
+
+  int64_t rows(const Shape& s) const { return len * s.groups; }   // (token, head) rows
 };
 
 // A work item: query rows [r0, r0 + n) of a chunk (row = token * groups + head in the group)
@@ -1140,7 +1142,7 @@ int64_t prefill_rows_per_item(const std::vector<PrefillChunk>& chunks, const Sha
   constexpr int64_t kMostRows = 16 * kRowTile, kItemsPerThread = 4;
   int64_t items = 0;
   for (const PrefillChunk& chunk : chunks)
-    items += (chunk.len * s.groups + kMostRows - 1) / kMostRows * s.kv_heads;
+    items += (chunk.rows(s) + kMostRows - 1) / kMostRows * s.kv_heads;
   return items >= kItemsPerThread * threads ? kMostRows : kMostRows / 2;
 }
 
@@ -1151,7 +1153,7 @@ std::vector<PrefillItem> prefill_items(const std::vector<PrefillChunk>& chunks, 
   std::vector<PrefillItem> items;
   for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c) {
     const PrefillChunk& chunk = chunks[c];
-    const int64_t rows = chunk.len * s.groups;
+    const int64_t rows = chunk.rows(s);
     for (int64_t r0 = 0; r0 < rows; r0 += row_block) {
       const int64_t n = std::min(row_block, rows - r0);
       const int64_t keys = chunk.seq_len - chunk.len + (r0 + n - 1) / s.groups + 1;
@@ -1180,7 +1182,7 @@ std::vector<float> transpose_keys_up_front(std::vector<PrefillChunk>& chunks, in
   int64_t floats = 0;
   for (PrefillChunk& chunk : chunks) {
     chunk.steps = (chunk.seq_len + step_keys(s.block_size) - 1) / step_keys(s.block_size);
-    if ((chunk.len * s.groups + row_block - 1) / row_block <= 2) continue;
+    if ((chunk.rows(s) + row_block - 1) / row_block <= 2) continue;
     chunk.keys = floats;
     floats += s.kv_heads * chunk.steps * step_floats;
     for (int64_t h = 0; h < s.kv_heads; ++h)

@@ -8,7 +8,10 @@ full blocks stay in the prefix cache) and it is recomputed from its tokens when 
 With `unchunked_prefill_min`, a prompt with that many tokens left is computed in one step,
 whatever the budget. With `idle_batched_tokens` (off by default), a step in which no running
 request has output yet takes that budget (and chunk cap, unless `max_prefill_chunk` is set):
-no stream is decoding, so prompts that arrive together may share one step.
+no stream is decoding, so prompts that arrive together may share one step. With
+`burst_batched_tokens` (off by default), a step in which more requests await their first token
+than decode takes that budget: the first step of a burst keeps the normal budget, so the head of
+the queue answers as soon as usual, and the rest of the burst goes in fewer, larger steps.
 
 Pure Python over ints and lists: no torch, no model.
 """
@@ -117,11 +120,19 @@ class Scheduler:
     def _step_limits(self) -> tuple[int, int]:
         """(token budget, one request's chunk cap) for this step."""
         config = self.config
-        idle = config.idle_batched_tokens
-        if idle > config.max_num_batched_tokens and not any(
-                r.num_output_tokens for r in self.running):
-            return idle, min(config.max_prefill_chunk or idle, idle)
-        return config.max_num_batched_tokens, config.chunk_cap
+        decoding = sum(1 for r in self.running if r.num_output_tokens)
+        budget = config.max_num_batched_tokens
+        if not decoding:
+            budget = max(budget, config.idle_batched_tokens)
+        elif self._num_awaiting_first_token() > decoding:
+            budget = max(budget, config.burst_batched_tokens)
+        if budget == config.max_num_batched_tokens:
+            return budget, config.chunk_cap
+        return budget, min(config.max_prefill_chunk or budget, budget)
+
+    def _num_awaiting_first_token(self) -> int:
+        """Waiting requests and running ones still computing their prompt."""
+        return len(self.waiting) + sum(1 for r in self.running if not r.num_output_tokens)
 
     def _chunk(self, request: Request, plan: _StepPlan) -> int:
         remaining = request.num_tokens - request.num_computed_tokens

@@ -120,19 +120,20 @@ class Scheduler:
     def _step_limits(self) -> tuple[int, int]:
         """(token budget, one request's chunk cap) for this step."""
         config = self.config
-        decoding = sum(1 for r in self.running if r.num_output_tokens)
+        streaming = sum(1 for r in self.running if r.num_output_tokens)
         budget = config.max_num_batched_tokens
-        if not decoding:
+        if not streaming:
             budget = max(budget, config.idle_batched_tokens)
-        elif self._num_awaiting_first_token() > decoding:
+        elif self._num_queued(streaming) > streaming:
             budget = max(budget, config.burst_batched_tokens)
         if budget == config.max_num_batched_tokens:
             return budget, config.chunk_cap
         return budget, min(config.max_prefill_chunk or budget, budget)
 
-    def _num_awaiting_first_token(self) -> int:
-        """Waiting requests and running ones still computing their prompt."""
-        return len(self.waiting) + sum(1 for r in self.running if not r.num_output_tokens)
+    def _num_queued(self, streaming: int) -> int:
+        """Requests not streaming output: every waiting one (a preempted one too) and the
+        running ones with no output yet."""
+        return len(self.waiting) + len(self.running) - streaming
 
     def _chunk(self, request: Request, plan: _StepPlan) -> int:
         remaining = request.num_tokens - request.num_computed_tokens

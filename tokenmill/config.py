@@ -110,21 +110,15 @@ class SchedulerConfig:
                                       "left to compute in one step, past the token budget: "
                                       "running streams stall once for it instead of once per "
                                       "chunk (0: chunk every prompt)")
-    # Off by default: measured in interleaved rounds (docs/benchmarks.md, seventh session),
-    # 2048 raised random's TTFT p50 from 1.22 to 2.71 s and its tok/s fell 150 -> 139; the
-    # long_interference streams' ITL p99 it was meant to cut did not fall (83-223 against
-    # 78-101 ms); shared_prefix gained 5%.
+    # Off by default. Larger than the budget (seventh session, 2048 over 256): random's TTFT
+    # p50 1.22 -> 2.71 s, tok/s 150 -> 139. Smaller (fourteenth session, 512 under a 2048
+    # budget, 6 seeds against vLLM): random's TTFT p99 1.00x (512 alone: 1.09x), p50 0.91x
+    # (0.82x), tok/s the same; long_interference and multiturn not yet measured with it.
     idle_batched_tokens: int = _opt(0, "token budget of a step in which no running request "
-                                    "has output yet (none decoding to stall): prompts that "
-                                    "arrive together share one larger step (0: always "
-                                    "max_num_batched_tokens)")
-    # Off by default: in served rounds against 512 (docs/benchmarks.md, fourteenth session;
-    # 6 seeds) 2048 brought random's TTFT p99 in 1% sooner (3.87 against 3.90 s, 4 seeds of 6)
-    # and its p50 later (0.60 against 0.55 s); long_interference unchanged.
-    burst_batched_tokens: int = _opt(0, "token budget of a step in which more requests wait "
-                                     "for their first token than decode (and at least one "
-                                     "decodes): the queued prompts outnumber the streams a "
-                                     "larger step stalls (0: always max_num_batched_tokens)")
+                                    "has output yet: larger, prompts arriving together share "
+                                    "a step; smaller, the first of a burst answers sooner and "
+                                    "the rest take max_num_batched_tokens once a request "
+                                    "streams (0: always max_num_batched_tokens)")
     policy: str = _opt("fcfs", "waiting-queue order: first come first served; by request "
                        "priority (lower value first, ties by arrival); or 'lpm', longest cached "
                        "prefix first (bounded so none starves)", ("fcfs", "priority", "lpm"))
@@ -139,8 +133,6 @@ class SchedulerConfig:
                  f"must be >= 0, got {self.unchunked_prefill_min}")
         _require(self.idle_batched_tokens >= 0, "idle_batched_tokens",
                  f"must be >= 0, got {self.idle_batched_tokens}")
-        _require(self.burst_batched_tokens >= 0, "burst_batched_tokens",
-                 f"must be >= 0, got {self.burst_batched_tokens}")
         _require(self.policy in ("fcfs", "priority", "lpm"), "policy",
                  f"must be 'fcfs', 'priority' or 'lpm', got {self.policy!r}")
 

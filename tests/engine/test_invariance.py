@@ -37,20 +37,17 @@ def test_batch_of_16_equals_one_at_a_time(llm, prompts, one_at_a_time):
     assert_kv_clean(llm)
 
 
-@pytest.mark.parametrize("whole_from, idle, burst", [(0, 0, 0), (100, 0, 0), (0, 96, 0),
-                                                     (0, 0, 96)],
+@pytest.mark.parametrize("whole_from, budget, idle", [(0, 24, 0), (100, 24, 0), (0, 24, 96),
+                                                      (0, 96, 24)],
                          ids=["all-chunked", "long-ones-whole", "idle-steps-larger",
-                              "burst-steps-larger"])
+                              "idle-steps-smaller"])
 def test_tiny_prefill_chunks_equal_unchunked(make_llm, prompts, one_at_a_time, whole_from,
-                                             idle, burst):
+                                             budget, idle):
     """whole_from: prompts of at least this many tokens are prefilled in one step, past the
-    24-token budget, beside the chunks and decodes of the others. idle: the budget of steps
-    in which nothing decodes yet (prompts whole up to it). burst: the budget of steps in which
-    more prompts await their first token than requests decode."""
-    larger = idle or burst
-    llm = make_llm(max_num_batched_tokens=24, unchunked_prefill_min=whole_from,
-                   idle_batched_tokens=idle, burst_batched_tokens=burst,
-                   max_prefill_chunk=None if larger else 7)
+    budget, beside the chunks and decodes of the others. idle: the budget of steps in which
+    nothing decodes yet (larger: prompts whole up to it; smaller: a short first step)."""
+    llm = make_llm(max_num_batched_tokens=budget, unchunked_prefill_min=whole_from,
+                   idle_batched_tokens=idle, max_prefill_chunk=None if idle else 7)
     assert token_ids(llm.generate(prompts, GREEDY)) == one_at_a_time
     assert_kv_clean(llm)
 

@@ -151,21 +151,16 @@ class Harness:
         sched, config = self.scheduler, self.config
         running_before = list(sched.running)
         decodes = [r for r in running_before if r.num_tokens - r.num_computed_tokens == 1]
-        streaming = sum(1 for r in running_before if r.num_output_tokens)
-        awaiting = len(sched.waiting) + len(running_before) - streaming
+        streaming = any(r.num_output_tokens for r in running_before)
         out = sched.schedule()
         self.num_steps += 1
         self.scheduled.append(out)
         counts = out.num_scheduled_tokens
         assert out.total_num_scheduled_tokens == sum(counts.values())
         budget, cap = config.max_num_batched_tokens, config.chunk_cap
-        if not streaming and budget < config.idle_batched_tokens:
-            # no stream decoding: the idle budget, and a chunk may take all of it
+        if not streaming and config.idle_batched_tokens not in (0, budget):
+            # no stream decoding: the idle budget, larger or smaller, and a chunk may take it all
             budget = config.idle_batched_tokens
-            cap = min(config.max_prefill_chunk or budget, budget)
-        elif streaming and awaiting > streaming and budget < config.burst_batched_tokens:
-            # more prompts queued than streams decoding: the burst budget
-            budget = config.burst_batched_tokens
             cap = min(config.max_prefill_chunk or budget, budget)
         whole_from = config.unchunked_prefill_min or budget + 1
         if out.total_num_scheduled_tokens > budget:

@@ -99,17 +99,25 @@ def test_prompts_share_one_larger_step_while_none_decodes():
     h.check_end()
 
 
-def test_queued_prompts_outnumbering_the_streams_share_a_larger_step():
-    h = Harness(max_num_batched_tokens=16, burst_batched_tokens=40, max_num_seqs=8)
+def test_an_idle_step_may_take_a_prompt_longer_than_the_budget_whole():
+    h = Harness(max_num_batched_tokens=16, idle_batched_tokens=40)
+    h.add(make_request("a", prompt(0, 30), 3, 0.0))
+    assert h.step().num_scheduled_tokens == {"a": 30}
+    h.run()
+    h.check_outputs()
+    h.check_end()
+
+
+def test_a_smaller_idle_step_answers_the_head_of_a_burst_first():
+    h = Harness(max_num_batched_tokens=40, idle_batched_tokens=16, max_num_seqs=8)
     h.add(*[make_request(r, prompt(i, 10), 30, float(i)) for i, r in enumerate("abcde")])
-    # none decodes yet: the first step keeps the budget of 16, so "a" answers first
+    # none streams yet: the idle budget of 16, so "a" answers after a short step
     assert h.step().num_scheduled_tokens == {"a": 10, "b": 6}
-    # one stream, four prompts awaiting their first token: the burst budget of 40
+    # "a" streams: the rest of the burst shares the full budget of 40
     assert h.step().num_scheduled_tokens == {"a": 1, "b": 4, "c": 10, "d": 10, "e": 10}
     assert h.step().num_scheduled_tokens == {r: 1 for r in "abcde"}
-    # a lone prompt behind five streams: back to 16
     h.add(make_request("f", prompt(9, 30), 2, 9.0))
-    assert h.step().num_scheduled_tokens == {**{r: 1 for r in "abcde"}, "f": 11}
+    assert h.step().num_scheduled_tokens == {**{r: 1 for r in "abcde"}, "f": 30}
     h.run()
     h.check_outputs()
     h.check_end()
@@ -350,7 +358,6 @@ def workloads(draw):
         max_prefill_chunk=draw(st.none() | st.integers(1, 16)),
         unchunked_prefill_min=draw(st.integers(0, MAX_MODEL_LEN)),
         idle_batched_tokens=draw(st.integers(0, 2 * MAX_MODEL_LEN)),
-        burst_batched_tokens=draw(st.integers(0, 2 * MAX_MODEL_LEN)),
         policy=draw(st.sampled_from(["fcfs", "priority", "lpm"])))
     requests = []
     for i in range(draw(st.integers(1, 8))):

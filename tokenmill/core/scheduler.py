@@ -7,11 +7,10 @@ the lowest-priority, latest-arrived running request is preempted: its blocks are
 full blocks stay in the prefix cache) and it is recomputed from its tokens when it resumes.
 With `unchunked_prefill_min`, a prompt with that many tokens left is computed in one step,
 whatever the budget. With `idle_batched_tokens` (off by default), a step in which no running
-request has output yet takes that budget (and chunk cap, unless `max_prefill_chunk` is set):
-no stream is decoding, so prompts that arrive together may share one step. With
-`burst_batched_tokens` (off by default), a step in which more requests await their first token
-than decode takes that budget: the first step of a burst keeps the normal budget, so the head of
-the queue answers as soon as usual, and the rest of the burst goes in fewer, larger steps.
+request has output yet takes that budget (and chunk cap, unless `max_prefill_chunk` is set).
+Larger than the budget, prompts that arrive together share one step; smaller, the first step
+of a burst is short, so the head of the queue answers soon, and once it streams the rest of
+the burst goes in steps of the full budget.
 
 Pure Python over ints and lists: no torch, no model.
 """
@@ -120,20 +119,12 @@ class Scheduler:
     def _step_limits(self) -> tuple[int, int]:
         """(token budget, one request's chunk cap) for this step."""
         config = self.config
-        streaming = sum(1 for r in self.running if r.num_output_tokens)
         budget = config.max_num_batched_tokens
-        if not streaming:
-            budget = max(budget, config.idle_batched_tokens)
-        elif self._num_queued(streaming) > streaming:
-            budget = max(budget, config.burst_batched_tokens)
+        if config.idle_batched_tokens and not any(r.num_output_tokens for r in self.running):
+            budget = config.idle_batched_tokens
         if budget == config.max_num_batched_tokens:
             return budget, config.chunk_cap
         return budget, min(config.max_prefill_chunk or budget, budget)
-
-    def _num_queued(self, streaming: int) -> int:
-        """Requests not streaming output: every waiting one (a preempted one too) and the
-        running ones with no output yet."""
-        return len(self.waiting) + len(self.running) - streaming
 
     def _chunk(self, request: Request, plan: _StepPlan) -> int:
         remaining = request.num_tokens - request.num_computed_tokens

@@ -112,8 +112,8 @@ class SchedulerConfig:
                                       "chunk (0: chunk every prompt)")
     # Off by default. Larger than the budget (seventh session, 2048 over 256): random's TTFT
     # p50 1.22 -> 2.71 s, tok/s 150 -> 139. Smaller (fourteenth session, 512 under a 2048
-    # budget, 6 seeds against vLLM): random's TTFT p99 1.00x (512 alone: 1.09x), p50 0.91x
-    # (0.82x), tok/s the same; long_interference and multiturn not yet measured with it.
+    # budget, 8 seeds against vLLM): random's TTFT p99 1.025x (512 alone: 1.09x), p50 0.97x
+    # (0.81x), worst stall 1.7-1.9 s (0.5-0.6 s); the other workloads unchanged.
     idle_batched_tokens: int = _opt(0, "token budget of a step in which no running request "
                                     "has output yet: larger, prompts arriving together share "
                                     "a step; smaller, the first of a burst answers sooner and "

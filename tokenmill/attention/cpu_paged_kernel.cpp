@@ -875,11 +875,11 @@ void attend_rows(const float* q, int rows, const float* k_cache, const float* v_
     const int next = static_cast<int>(std::min<int64_t>(per_step, b1 - b - blocks));
     const StepRows next_v{v_cache, table + b + blocks, next, s, h};
     const StepRows next_k{k_cache, table + b + blocks, keys_ready ? 0 : next, s, h};
-    // keys [b * bs, b * bs + len) exist; the rows after them in the last block are masked
-    const int width = blocks * bs, round = s.wide ? 16 : 8;
-    const int len = static_cast<int>(std::min<int64_t>(width, limits.end - b * bs));
-    // each row tile scores the keys its rows may see (tile_keys), and adds their values only
+    // keys [first, first + len) exist; the rows after them in the last block are masked
     const int64_t first = b * bs;
+    const int width = blocks * bs, round = s.wide ? 16 : 8;
+    const int len = static_cast<int>(std::min<int64_t>(width, limits.end - first));
+    // each row tile scores the keys its rows may see (tile_keys), and adds their values only
     const auto keys_of = [&](int r0) {
       return tile_keys(limits, r0, std::min(kRowTile, rows - r0), first, width, round);
     };
@@ -890,7 +890,7 @@ void attend_rows(const float* q, int rows, const float* k_cache, const float* v_
         tiling.run(std::min(kRowTile, rows - r0), q + r0 * dim, dim, {key_rows, dim, ld, 0},
                    dim, scores + r0 * ld, ld, keys, false);
     }
-    if (limits.pos != nullptr || len < width) mask_step(scores, rows, width, ld, b * bs, limits);
+    if (limits.pos != nullptr || len < width) mask_step(scores, rows, width, ld, first, limits);
     for (int r = 0; r < rows; ++r)
       softmax_step(scores + r * ld, width, acc + r * dim, dim, running_max[r], running_sum[r],
                    s.wide);

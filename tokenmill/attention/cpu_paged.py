@@ -22,12 +22,16 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.kernels.cpp_build import AVX2_MATH, ENTRY_POINTS, WORK_SHARING, CpuExtension
 
+# The kernel's parts, put in front of cpu_paged_kernel.cpp in this order (each uses the ones
+# before it): the online softmax, a decode one request at a time, the row tiles.
+PARTS = tuple(Path(__file__).with_name(part) for part in (
+    "paged_softmax.h", "paged_decode_rows.h", "paged_row_tiles.h"))
 KERNEL = CpuExtension("tokenmill_cpu_paged", Path(__file__).with_name("cpu_paged_kernel.cpp"),
                       ["paged_decode_attention", "paged_prefill_attention",
                        "paged_attention_has_avx512", "paged_attention_use_avx512",
                        "entry_points"],
                       "cpu_paged attention kernel", "the torch reference backend",
-                      headers=(AVX2_MATH, ENTRY_POINTS, WORK_SHARING))
+                      headers=(AVX2_MATH, ENTRY_POINTS, WORK_SHARING, *PARTS))
 load_kernel = KERNEL.load
 # A chunk with nothing cached before it needs no gathered copy or mask: SDPA's causal flash
 # kernel skips the masked blocks, and on an AVX2 machine from about 2048 tokens (the one-step

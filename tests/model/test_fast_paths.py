@@ -80,13 +80,24 @@ def test_fast_path_one_at_a_time_equals_reference(llm, reference_tokens):
     assert single == reference_tokens
 
 
-def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch):
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["no-bias", "qkv-bias"])
+def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch, qkv_bias):
     """Decode-only steps through the DecodePlan give exactly the logprobs of the modules it
-    flattens, at batch 1 and batched (no prefix cache: both runs compute the same shapes)."""
+    flattens, at batch 1 and batched (no prefix cache: both runs compute the same shapes).
+    SmolLM2 has no q|k|v bias; with one set on every layer (as Qwen2 has), the plan must add
+    it as the module does."""
     llm = make_llm(prefix_cache=False)
     model = llm.engine.core.worker.runner.model.model
     if model.decode_plan is None:
         pytest.skip("the decode plan needs the C++ kernels")
+    if qkv_bias:
+        gen = torch.Generator().manual_seed(0)
+        for layer in model.layers:
+            qkv = layer.self_attn.qkv_proj
+            bias = torch.nn.Parameter(torch.randn(qkv.out_features, generator=gen) * 0.05,
+                                      requires_grad=False)
+            monkeypatch.setattr(qkv, "bias", bias)
+        monkeypatch.setattr(model, "decode_plan", DecodePlan.build(model.layers))
     runs = []
     original_run = DecodePlan.run
     monkeypatch.setattr(DecodePlan, "run",

@@ -8,11 +8,17 @@
 
 namespace tokenmill_entry {
 
-using AddRmsNormFn = std::vector<torch::Tensor>(torch::Tensor x, torch::Tensor residual,
-                                                torch::Tensor weight, double eps);
-using RotateHalfFn = torch::Tensor(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-using SiluAndMulFn = torch::Tensor(torch::Tensor gate_up);
-using GemvLinearFn = torch::Tensor(torch::Tensor x, torch::Tensor packed);
+// Raw rows in, raw rows out (dense, row-major): the decode loop keeps one workspace a step,
+// so no kernel allocates or dispatches per layer.
+using AddRmsNormIntoFn = void(const float* x, const float* residual, const float* weight,
+                              float eps, int64_t rows, int64_t n, float* out, float* sum);
+using RotateHalfIntoFn = void(const float* x, int64_t tokens, int64_t heads, int64_t dim,
+                              int64_t token_stride, const float* cos, const float* sin,
+                              float* out);
+using SiluAndMulIntoFn = void(const float* gate_up, int64_t rows, int64_t n, float* out);
+using GemvIntoFn = void(const float* x, int64_t m, int64_t k, const torch::Tensor& packed,
+                        float* y);
+using GemvOutFeaturesFn = int64_t(const torch::Tensor& packed);
 using PagedDecodeAttentionFn = void(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
                                     torch::Tensor v_cache, torch::Tensor block_table,
                                     torch::Tensor seq_lens, double scale, int64_t sliding_window);

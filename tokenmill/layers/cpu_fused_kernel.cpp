@@ -81,6 +81,18 @@ void check_rows(const torch::Tensor& t, const char* what) {
 
 }  // namespace
 
+// out = rms_norm(s) * weight with s = x (+ residual), written to `sum` when given (it may be
+// `residual` itself: each element is read before it is written); rows of n floats.
+void add_rms_norm_into(const float* x, const float* residual, const float* weight, float eps,
+                       int64_t rows, int64_t n, float* out, float* sum) {
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      norm_row(x + r * n, residual ? residual + r * n : nullptr, weight, eps, n, out + r * n,
+               sum ? sum + r * n : nullptr);
+    }
+  });
+}
+
 // (normed, sum) with sum = x + residual; an empty residual means none (sum is then x).
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
                                         torch::Tensor weight, double eps) {
@@ -95,18 +107,9 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
               weight.scalar_type() == torch::kFloat32, "add_rms_norm: weight must be [hidden]");
   auto out = torch::empty_like(x);
   auto sum = has_residual ? torch::empty_like(x) : x;
-  const float* xp = x.data_ptr<float>();
-  const float* rp = has_residual ? residual.data_ptr<float>() : nullptr;
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  float* sp = has_residual ? sum.data_ptr<float>() : nullptr;  // else sum is x itself
-  const float epsf = static_cast<float>(eps);
-  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      norm_row(xp + r * n, rp ? rp + r * n : nullptr, wp, epsf, n, op + r * n,
-               sp ? sp + r * n : nullptr);
-    }
-  });
+  add_rms_norm_into(x.data_ptr<float>(), has_residual ? residual.data_ptr<float>() : nullptr,
+                    weight.data_ptr<float>(), static_cast<float>(eps), rows, n,
+                    out.data_ptr<float>(), has_residual ? sum.data_ptr<float>() : nullptr);
   return {out, sum};
 }
 
@@ -119,56 +122,63 @@ inline void rotate_row(const float* __restrict x, const float* __restrict c,
   for (int64_t d = half; d < 2 * half; ++d) out[d] = x[d] * c[d] + x[d - half] * s[d];
 }
 
-// Rotate-half rotary embedding: x [tokens, heads, dim] (dim contiguous, heads dense) with
-// cos/sin [tokens, dim] -> a new contiguous [tokens, heads, dim] tensor equal to
+// Rotate-half rotary embedding of `heads` heads of `dim` per token (tokens `token_stride`
+// floats apart, heads dense) with cos/sin [tokens, dim], into out [tokens, heads, dim]:
 // x * cos + cat(-x2, x1) * sin.
+void rotate_half_into(const float* x, int64_t tokens, int64_t heads, int64_t dim,
+                      int64_t token_stride, const float* cos, const float* sin, float* out) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, row_grain(heads * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + t * dim;
+      const float* s = sin + t * dim;
+      for (int64_t h = 0; h < heads; ++h)
+        rotate_row(x + t * token_stride + h * dim, c, s, out + (t * heads + h) * dim, half);
+    }
+  });
+}
+
+// x [tokens, heads, dim] (dim contiguous, heads dense) with cos/sin [tokens, dim] -> a new
+// contiguous [tokens, heads, dim] tensor (rotate_half_into).
 torch::Tensor rotate_half(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.stride(2) == 1 &&
               x.stride(1) == x.size(2), "rotate_half: x must be float32 [tokens, heads, dim] "
               "with dense heads");
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
   TORCH_CHECK(dim % 2 == 0, "rotate_half: dim must be even");
   check_rows(cos, "rotate_half: cos");
   check_rows(sin, "rotate_half: sin");
   TORCH_CHECK(cos.size(0) == tokens && cos.size(1) == dim && sin.sizes() == cos.sizes(),
               "rotate_half: cos/sin must be [tokens, dim]");
   auto out = torch::empty({tokens, heads, dim}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t token_stride = x.stride(0);
-  at::parallel_for(0, tokens, row_grain(heads * dim), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + t * dim;
-      const float* s = sp + t * dim;
-      for (int64_t h = 0; h < heads; ++h)
-        rotate_row(xp + t * token_stride + h * dim, c, s, op + (t * heads + h) * dim, half);
-    }
-  });
+  rotate_half_into(x.data_ptr<float>(), tokens, heads, dim, x.stride(0), cos.data_ptr<float>(),
+                   sin.data_ptr<float>(), out.data_ptr<float>());
   return out;
 }
 
-// Gated activation: gate_up [tokens, 2 * d] (gate | up) -> [tokens, d] = silu(gate) * up.
+// Gated activation, gate_up rows [gate (n) | up (n)] -> out rows of n: silu(gate) * up.
+void silu_and_mul_into(const float* gate_up, int64_t rows, int64_t n, float* out) {
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      silu_mul_row(gate_up + r * 2 * n, gate_up + r * 2 * n + n, n, out + r * n);
+    }
+  });
+}
+
+// gate_up [tokens, 2 * d] (gate | up) -> [tokens, d] = silu(gate) * up.
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   check_rows(gate_up, "silu_and_mul: gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: gate_up width must be even");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   auto out = torch::empty({rows, n}, gate_up.options());
-  const float* in = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      silu_mul_row(in + r * 2 * n, in + r * 2 * n + n, n, op + r * n);
-    }
-  });
+  silu_and_mul_into(gate_up.data_ptr<float>(), rows, n, out.data_ptr<float>());
   return out;
 }
 
 // For the C++ decode loop (kernels/entry_points.h).
 std::vector<pybind11::capsule> entry_points() {
   using namespace tokenmill_entry;
-  return {export_entry<AddRmsNormFn>(&add_rms_norm, "tokenmill.add_rms_norm"),
-          export_entry<RotateHalfFn>(&rotate_half, "tokenmill.rotate_half"),
-          export_entry<SiluAndMulFn>(&silu_and_mul, "tokenmill.silu_and_mul")};
+  return {export_entry<AddRmsNormIntoFn>(&add_rms_norm_into, "tokenmill.add_rms_norm_into"),
+          export_entry<RotateHalfIntoFn>(&rotate_half_into, "tokenmill.rotate_half_into"),
+          export_entry<SiluAndMulIntoFn>(&silu_and_mul_into, "tokenmill.silu_and_mul_into")};
 }

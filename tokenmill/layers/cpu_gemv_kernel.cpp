@@ -334,34 +334,31 @@ static void avx512_linear(int64_t m, const float* x, int64_t k_len, const torch:
 #endif
 }
 
-torch::Tensor gemv_linear(torch::Tensor x, torch::Tensor packed) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
-              "gemv_linear: x must be contiguous 2-D float32");
-  const int64_t m = x.size(0), k_len = x.size(1), panels = packed.size(0), n = panels * kPanel;
+// The width of the output rows of a packed weight (compact or fp32 panels).
+int64_t gemv_out_features(const torch::Tensor& packed) { return packed.size(0) * kPanel; }
+
+// y[m, out_features] = x[m, k_len] @ W^T, both dense rows, W packed by pack_gemv_*.
+void gemv_into(const float* xp, int64_t m, int64_t k_len, const torch::Tensor& packed, float* yp) {
+  const int64_t panels = packed.size(0), n = panels * kPanel;
   const auto kind = packed.scalar_type();   // uint8: Q4_1 panels, int8: Q8_0, float: fp32
   if (kind == torch::kUInt8 || kind == torch::kInt8) {
     TORCH_CHECK(kind == torch::kUInt8 ? matches<gemv_blocks::Q4_1>(packed, k_len)
                                       : matches<gemv_blocks::Q8_0>(packed, k_len),
                 "gemv_linear: compact panels do not match x");
   } else {
-    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == kPanel,
+    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k_len && packed.size(2) == kPanel,
                 "gemv_linear: packed weight does not match x");
   }
-  auto y = torch::empty({m, n}, x.options());
-  if (m == 0 || k_len == 0) return y.zero_();
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (use_avx512) {
-    avx512_linear(m, xp, k_len, packed, yp, n);
-    return y;
-  }
+  if (m == 0) return;
+  if (k_len == 0) return std::fill(yp, yp + m * n, 0.0f);
+  if (use_avx512) return avx512_linear(m, xp, k_len, packed, yp, n);
   if (kind == torch::kUInt8 || kind == torch::kInt8) {
     const auto* wp = static_cast<const uint8_t*>(packed.data_ptr());
     if (kind == torch::kUInt8)
       block_gemv<gemv_blocks::Q4_1>(m, xp, k_len, wp, panels, yp, n);
     else
       block_gemv<gemv_blocks::Q8_0>(m, xp, k_len, wp, panels, yp, n);
-    return y;
+    return;
   }
   const float* wp = packed.data_ptr<float>();
   const int64_t unit = m <= kMaxRows ? side_panels(m) : 1;
@@ -374,11 +371,19 @@ torch::Tensor gemv_linear(torch::Tensor x, torch::Tensor packed) {
     for (int64_t p = begin; p < end; ++p)
       panel_rows(m, xp, k_len, wp + p * k_len * kPanel, yp + p * kPanel, n);
   });
+}
+
+torch::Tensor gemv_linear(torch::Tensor x, torch::Tensor packed) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "gemv_linear: x must be contiguous 2-D float32");
+  auto y = torch::empty({x.size(0), gemv_out_features(packed)}, x.options());
+  gemv_into(x.data_ptr<float>(), x.size(0), x.size(1), packed, y.data_ptr<float>());
   return y;
 }
 
 // For the C++ decode loop (kernels/entry_points.h).
 std::vector<pybind11::capsule> entry_points() {
   using namespace tokenmill_entry;
-  return {export_entry<GemvLinearFn>(&gemv_linear, "tokenmill.gemv_linear")};
+  return {export_entry<GemvIntoFn>(&gemv_into, "tokenmill.gemv_into"),
+          export_entry<GemvOutFeaturesFn>(&gemv_out_features, "tokenmill.gemv_out_features")};
 }

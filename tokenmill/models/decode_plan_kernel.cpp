@@ -5,9 +5,10 @@
 // From Python the loop cost about 20 dispatches per layer (the kernels, slices and views, the
 // cache write, an allocation), some 600 per token at 30 layers. Here they are plain calls:
 // the kernels' entry points come from their own modules as capsules (kernels/entry_points.h),
-// and the new keys and values are copied into their cache slots directly. It keeps the GIL,
-// as the kernels do: releasing it let the server's thread run during a step, which measured
-// within the noise again (docs/benchmarks.md, 2026-11-24).
+// and the new keys and values are copied into their cache slots directly. The activations live
+// in one workspace a step and the kernels take raw rows (their "_into" forms): tensor
+// allocations, views and copies per layer had cost about 5% of an 8-request step, on the main
+// thread alone while the other waited.
 #include <cstring>
 
 namespace {
@@ -15,21 +16,38 @@ namespace {
 constexpr size_t kWeightsPerLayer = 7;   // input norm, post norm, qkv, qkv bias, o, gate_up, down
 
 struct Kernels {
-  tokenmill_entry::AddRmsNormFn* add_rms_norm;
-  tokenmill_entry::RotateHalfFn* rotate_half;
-  tokenmill_entry::SiluAndMulFn* silu_and_mul;
-  tokenmill_entry::GemvLinearFn* gemv;
+  tokenmill_entry::AddRmsNormIntoFn* add_rms_norm;
+  tokenmill_entry::RotateHalfIntoFn* rotate_half;
+  tokenmill_entry::SiluAndMulIntoFn* silu_and_mul;
+  tokenmill_entry::GemvIntoFn* gemv;
+  tokenmill_entry::GemvOutFeaturesFn* gemv_out_features;
   tokenmill_entry::PagedDecodeAttentionFn* attention;
 };
 
 Kernels import_kernels(const std::vector<pybind11::capsule>& capsules) {
   using namespace tokenmill_entry;
-  return {import_entry<AddRmsNormFn>(capsules, "tokenmill.add_rms_norm"),
-          import_entry<RotateHalfFn>(capsules, "tokenmill.rotate_half"),
-          import_entry<SiluAndMulFn>(capsules, "tokenmill.silu_and_mul"),
-          import_entry<GemvLinearFn>(capsules, "tokenmill.gemv_linear"),
+  return {import_entry<AddRmsNormIntoFn>(capsules, "tokenmill.add_rms_norm_into"),
+          import_entry<RotateHalfIntoFn>(capsules, "tokenmill.rotate_half_into"),
+          import_entry<SiluAndMulIntoFn>(capsules, "tokenmill.silu_and_mul_into"),
+          import_entry<GemvIntoFn>(capsules, "tokenmill.gemv_into"),
+          import_entry<GemvOutFeaturesFn>(capsules, "tokenmill.gemv_out_features"),
           import_entry<PagedDecodeAttentionFn>(capsules, "tokenmill.paged_decode_attention")};
 }
+
+// A step's activations, [tokens, width] each, made once a step and reused by every layer.
+struct Workspace {
+  torch::Tensor hidden, residual, normed, qkv, q, k, attention, o, gate_up, act;
+
+  Workspace(const torch::Tensor& input, int64_t qkv_width, int64_t heads, int64_t kv_heads,
+            int64_t dim, int64_t gate_up_width) {
+    const int64_t n = input.size(0);
+    const auto rows = [&](int64_t width) { return input.new_empty({n, width}); };
+    hidden = rows(input.size(1)), residual = rows(input.size(1)), normed = rows(input.size(1));
+    qkv = rows(qkv_width), q = input.new_empty({n, heads, dim}), k = rows(kv_heads * dim);
+    attention = input.new_empty({n, heads, dim}), o = rows(input.size(1));
+    gate_up = rows(gate_up_width), act = rows(gate_up_width / 2);
+  }
+};
 
 // rows [tokens, kv_heads * dim] (row stride `stride` floats) into the cache's slots.
 void write_slots(const float* rows, int64_t stride, const int64_t* slots, int64_t tokens,
@@ -72,33 +90,58 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
                                          double scale, int64_t sliding_window,
                                          std::vector<pybind11::capsule> kernel_capsules) {
   const Kernels k = import_kernels(kernel_capsules);
-  const int64_t n = hidden.size(0), dim = cos.size(1), qk_width = (heads + kv_heads) * dim;
+  const int64_t n = hidden.size(0), h = hidden.size(1), dim = cos.size(1);
+  const int64_t qk_width = (heads + kv_heads) * dim, qkv_width = qk_width + kv_heads * dim;
   check_step(weights, caches, hidden, slot_mapping, kv_heads, dim);
+  TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.size(0) == n,
+              "decode_layers: float32 hidden, contiguous cos/sin [tokens, head_dim]");
+  const int64_t gate_up_width = k.gemv_out_features(weights[5]);
+  // every layer checked before the first writes the cache (the linears check their K)
+  const auto vector_of = [](const torch::Tensor& t, int64_t size) {
+    return t.numel() == size && t.is_contiguous() && t.scalar_type() == torch::kFloat32;
+  };
+  for (size_t layer = 0; layer < caches.size() / 2; ++layer) {
+    const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
+    TORCH_CHECK(vector_of(w[0], h) && vector_of(w[1], h) &&
+                (w[3].numel() == 0 || vector_of(w[3], qkv_width)) &&
+                k.gemv_out_features(w[2]) == qkv_width && k.gemv_out_features(w[4]) == h &&
+                k.gemv_out_features(w[5]) == gate_up_width && k.gemv_out_features(w[6]) == h,
+                "decode_layers: layer ", layer, "'s weights do not fit the step's shapes");
+  }
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  Workspace ws(hidden, qkv_width, heads, kv_heads, dim, gate_up_width);
+  const auto f = [](torch::Tensor& t) { return t.data_ptr<float>(); };
+  const float *cos_p = cos.data_ptr<float>(), *sin_p = sin.data_ptr<float>();
+  const float eps_f = static_cast<float>(eps);
   // The capsules are read: the layers need no Python, so the server's event loop runs beside
   // them. Declared after the arguments, so the GIL is back before the capsules are released.
   pybind11::gil_scoped_release no_gil;
-  torch::Tensor residual = hidden.new_empty({0});   // the first norm has no residual to add
   for (size_t layer = 0; layer < caches.size() / 2; ++layer) {
     const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
-    torch::Tensor& k_cache = caches[2 * layer];
-    torch::Tensor& v_cache = caches[2 * layer + 1];
-    auto normed = k.add_rms_norm(hidden, residual, w[0], eps);
-    residual = normed[1];
-    torch::Tensor qkv = k.gemv(normed[0], w[2]);
-    if (w[3].numel() > 0) qkv.add_(w[3]);
-    const int64_t qkv_width = qkv.size(1);
-    TORCH_CHECK(qkv_width == qk_width + kv_heads * dim, "decode_layers: qkv width");
-    torch::Tensor qk = k.rotate_half(qkv.slice(1, 0, qk_width).view({n, heads + kv_heads, dim}),
-                                     cos, sin);
-    write_slots(qk.data_ptr<float>() + heads * dim, qk_width, slots, n, k_cache);
-    write_slots(qkv.data_ptr<float>() + qk_width, qkv_width, slots, n, v_cache);
-    torch::Tensor out = hidden.new_empty({n, heads, dim});
-    k.attention(out, qk.slice(1, 0, heads).contiguous(), k_cache, v_cache, block_table,
+    // the first layer's input is the embeddings (no residual yet: the sum is the input)
+    const float* input = layer == 0 ? hidden.data_ptr<float>() : f(ws.hidden);
+    k.add_rms_norm(input, layer == 0 ? nullptr : f(ws.residual), w[0].data_ptr<float>(), eps_f,
+                   n, h, f(ws.normed), f(ws.residual));
+    float* qkv = f(ws.qkv);
+    k.gemv(f(ws.normed), n, h, w[2], qkv);
+    if (w[3].numel() > 0) {
+      const float* bias = w[3].data_ptr<float>();
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t j = 0; j < qkv_width; ++j) qkv[t * qkv_width + j] += bias[j];
+    }
+    k.rotate_half(qkv, n, heads, dim, qkv_width, cos_p, sin_p, f(ws.q));
+    k.rotate_half(qkv + heads * dim, n, kv_heads, dim, qkv_width, cos_p, sin_p, f(ws.k));
+    write_slots(f(ws.k), kv_heads * dim, slots, n, caches[2 * layer]);
+    write_slots(qkv + qk_width, qkv_width, slots, n, caches[2 * layer + 1]);
+    k.attention(ws.attention, ws.q, caches[2 * layer], caches[2 * layer + 1], block_table,
                 seq_lens, scale, sliding_window);
-    normed = k.add_rms_norm(k.gemv(out.view({n, -1}), w[4]), residual, w[1], eps);
-    residual = normed[1];
-    hidden = k.gemv(k.silu_and_mul(k.gemv(normed[0], w[5])), w[6]);
+    k.gemv(f(ws.attention), n, heads * dim, w[4], f(ws.o));
+    k.add_rms_norm(f(ws.o), f(ws.residual), w[1].data_ptr<float>(), eps_f, n, h, f(ws.normed),
+                   f(ws.residual));
+    k.gemv(f(ws.normed), n, h, w[5], f(ws.gate_up));
+    k.silu_and_mul(f(ws.gate_up), n, gate_up_width / 2, f(ws.act));
+    k.gemv(f(ws.act), n, gate_up_width / 2, w[6], f(ws.hidden));
   }
-  return {hidden, residual};
+  return {ws.hidden, ws.residual};
 }

@@ -34,18 +34,27 @@ Kernels import_kernels(const std::vector<pybind11::capsule>& capsules) {
           import_entry<PagedDecodeAttentionFn>(capsules, "tokenmill.paged_decode_attention")};
 }
 
-// A step's activations, [tokens, width] each, made once a step and reused by every layer.
+// A step's activations, [tokens, width] each, made once a step and reused by every layer;
+// each tensor's rows are also kept as a raw pointer for the kernels.
 struct Workspace {
   torch::Tensor hidden, residual, normed, qkv, q, k, attention, o, gate_up, act;
+  float *hidden_p, *residual_p, *normed_p, *qkv_p, *q_p, *k_p, *attention_p, *o_p, *gate_up_p,
+      *act_p;
 
   Workspace(const torch::Tensor& input, int64_t qkv_width, int64_t heads, int64_t kv_heads,
             int64_t dim, int64_t gate_up_width) {
     const int64_t n = input.size(0);
-    const auto rows = [&](int64_t width) { return input.new_empty({n, width}); };
-    hidden = rows(input.size(1)), residual = rows(input.size(1)), normed = rows(input.size(1));
-    qkv = rows(qkv_width), q = input.new_empty({n, heads, dim}), k = rows(kv_heads * dim);
-    attention = input.new_empty({n, heads, dim}), o = rows(input.size(1));
-    gate_up = rows(gate_up_width), act = rows(gate_up_width / 2);
+    const auto rows = [&](int64_t width, float*& p) {
+      torch::Tensor t = input.new_empty({n, width});
+      p = t.data_ptr<float>();
+      return t;
+    };
+    hidden = rows(input.size(1), hidden_p), residual = rows(input.size(1), residual_p);
+    normed = rows(input.size(1), normed_p), qkv = rows(qkv_width, qkv_p);
+    q = rows(heads * dim, q_p).view({n, heads, dim}), k = rows(kv_heads * dim, k_p);
+    attention = rows(heads * dim, attention_p).view({n, heads, dim});
+    o = rows(input.size(1), o_p), gate_up = rows(gate_up_width, gate_up_p);
+    act = rows(gate_up_width / 2, act_p);
   }
 };
 
@@ -111,7 +120,6 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
   }
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   Workspace ws(hidden, qkv_width, heads, kv_heads, dim, gate_up_width);
-  const auto f = [](torch::Tensor& t) { return t.data_ptr<float>(); };
   const float *cos_p = cos.data_ptr<float>(), *sin_p = sin.data_ptr<float>();
   const float eps_f = static_cast<float>(eps);
   // The capsules are read: the layers need no Python, so the server's event loop runs beside
@@ -120,28 +128,27 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
   for (size_t layer = 0; layer < caches.size() / 2; ++layer) {
     const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
     // the first layer's input is the embeddings (no residual yet: the sum is the input)
-    const float* input = layer == 0 ? hidden.data_ptr<float>() : f(ws.hidden);
-    k.add_rms_norm(input, layer == 0 ? nullptr : f(ws.residual), w[0].data_ptr<float>(), eps_f,
-                   n, h, f(ws.normed), f(ws.residual));
-    float* qkv = f(ws.qkv);
-    k.gemv(f(ws.normed), n, h, w[2], qkv);
+    const float* input = layer == 0 ? hidden.data_ptr<float>() : ws.hidden_p;
+    k.add_rms_norm(input, layer == 0 ? nullptr : ws.residual_p, w[0].data_ptr<float>(), eps_f,
+                   n, h, ws.normed_p, ws.residual_p);
+    k.gemv(ws.normed_p, n, h, w[2], ws.qkv_p);
     if (w[3].numel() > 0) {
       const float* bias = w[3].data_ptr<float>();
       for (int64_t t = 0; t < n; ++t)
-        for (int64_t j = 0; j < qkv_width; ++j) qkv[t * qkv_width + j] += bias[j];
+        for (int64_t j = 0; j < qkv_width; ++j) ws.qkv_p[t * qkv_width + j] += bias[j];
     }
-    k.rotate_half(qkv, n, heads, dim, qkv_width, cos_p, sin_p, f(ws.q));
-    k.rotate_half(qkv + heads * dim, n, kv_heads, dim, qkv_width, cos_p, sin_p, f(ws.k));
-    write_slots(f(ws.k), kv_heads * dim, slots, n, caches[2 * layer]);
-    write_slots(qkv + qk_width, qkv_width, slots, n, caches[2 * layer + 1]);
+    k.rotate_half(ws.qkv_p, n, heads, dim, qkv_width, cos_p, sin_p, ws.q_p);
+    k.rotate_half(ws.qkv_p + heads * dim, n, kv_heads, dim, qkv_width, cos_p, sin_p, ws.k_p);
+    write_slots(ws.k_p, kv_heads * dim, slots, n, caches[2 * layer]);
+    write_slots(ws.qkv_p + qk_width, qkv_width, slots, n, caches[2 * layer + 1]);
     k.attention(ws.attention, ws.q, caches[2 * layer], caches[2 * layer + 1], block_table,
                 seq_lens, scale, sliding_window);
-    k.gemv(f(ws.attention), n, heads * dim, w[4], f(ws.o));
-    k.add_rms_norm(f(ws.o), f(ws.residual), w[1].data_ptr<float>(), eps_f, n, h, f(ws.normed),
-                   f(ws.residual));
-    k.gemv(f(ws.normed), n, h, w[5], f(ws.gate_up));
-    k.silu_and_mul(f(ws.gate_up), n, gate_up_width / 2, f(ws.act));
-    k.gemv(f(ws.act), n, gate_up_width / 2, w[6], f(ws.hidden));
+    k.gemv(ws.attention_p, n, heads * dim, w[4], ws.o_p);
+    k.add_rms_norm(ws.o_p, ws.residual_p, w[1].data_ptr<float>(), eps_f, n, h, ws.normed_p,
+                   ws.residual_p);
+    k.gemv(ws.normed_p, n, h, w[5], ws.gate_up_p);
+    k.silu_and_mul(ws.gate_up_p, n, gate_up_width / 2, ws.act_p);
+    k.gemv(ws.act_p, n, gate_up_width / 2, w[6], ws.hidden_p);
   }
   return {ws.hidden, ws.residual};
 }

@@ -8,7 +8,8 @@
 // token for a 30-layer model. Here each is one pass. Built with -ffp-contract=off so the rotary
 // rounds exactly like the torch ops it replaces; the norm's sum of squares is reduced in another
 // order than torch's, and SiLU's exp is our own polynomial (relative error ~1e-7), differences
-// at the level of float rounding.
+// at the level of float rounding. Each op has a raw-row form (`*_into`) that the C++ decode
+// loop calls on its workspace; the tensor form allocates the output and wraps it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -103,8 +103,9 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
   const int64_t qk_width = (heads + kv_heads) * dim, qkv_width = qk_width + kv_heads * dim;
   check_step(weights, caches, hidden, slot_mapping, kv_heads, dim);
   TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.size(0) == n,
-              "decode_layers: float32 hidden, contiguous cos/sin [tokens, head_dim]");
+              sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.size(0) == n &&
+              dim % 2 == 0, "decode_layers: float32 hidden, contiguous cos/sin [tokens, "
+              "head_dim], head_dim even");
   const int64_t gate_up_width = k.gemv_out_features(weights[5]);
   // every layer checked before the first writes the cache (the linears check their K)
   const auto vector_of = [](const torch::Tensor& t, int64_t size) {

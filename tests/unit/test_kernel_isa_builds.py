@@ -5,6 +5,9 @@ kernel silently falls back to the reference path."""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -26,16 +29,25 @@ def build(kernel: CpuExtension, isa: str):
                                  kernel.keep_gil)
 
 
+@pytest.fixture(scope="module")
+def builds():
+    """Every (kernel, isa) build, compiled side by side (one compiler per core)."""
+    wanted = [(kernel, isa) for isa in WITHOUT for kernel in (cpu_gemv.KERNEL, cpu_paged.KERNEL)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        modules = list(pool.map(lambda item: build(*item), wanted))
+    return {(kernel.prefix, isa): module for (kernel, isa), module in zip(wanted, modules)}
+
+
 @pytest.mark.parametrize("isa", WITHOUT)
-def test_kernels_build_and_agree_without_avx512(isa):
+def test_kernels_build_and_agree_without_avx512(isa, builds):
     gen = torch.Generator().manual_seed(1)
-    gemv, native_gemv = build(cpu_gemv.KERNEL, isa), cpu_gemv.load_kernel()
+    gemv, native_gemv = builds[cpu_gemv.KERNEL.prefix, isa], cpu_gemv.load_kernel()
     assert gemv is not None and not gemv.gemv_use_avx512(True)
     weight, x = torch.randn(64, 96, generator=gen), torch.randn(20, 96, generator=gen)
     expected = native_gemv.gemv_linear(x, native_gemv.pack_gemv_weight(weight))
     torch.testing.assert_close(gemv.gemv_linear(x, gemv.pack_gemv_weight(weight)), expected)
 
-    attention, native = build(cpu_paged.KERNEL, isa), cpu_paged.load_kernel()
+    attention, native = builds[cpu_paged.KERNEL.prefix, isa], cpu_paged.load_kernel()
     assert attention is not None and not attention.paged_attention_has_avx512()
     k_cache, v_cache = (torch.randn(50, 16, 3, 64, generator=gen) for _ in range(2))
     table = torch.randperm(50, generator=gen)[:20].contiguous()

@@ -19,8 +19,6 @@
 // the same. On a 2-core Xeon, per-block AVX2 tiles -> 4-block steps with AVX-512 tiles (SDPA):
 // 512 new over 2560 cached, 739 -> 409 ms (549-595); 512 over 1536, 465 -> 282 (350-383); 84
 // over 450, 23.1 -> 14.4 (21-23); 3000 uncached 1.35 s (1.47-1.63).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>

@@ -1,7 +1,6 @@
 // Entry points of the CPU kernels, passed from one extension module to another as named
 // Python capsules (each kernel is its own module, built with its own flags). The decode loop
 // (models/decode_plan_kernel.cpp) calls them directly, without a trip through Python.
-#include <torch/extension.h>
 
 #include <cstring>
 #include <vector>

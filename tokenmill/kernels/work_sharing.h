@@ -7,7 +7,6 @@
 // time while the main thread was still in the linears and attention. Taking chunks from a
 // counter lets the faster thread do more of them. Which thread computes a chunk does not change
 // its result, so the kernels' output stays bitwise the same.
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>

@@ -10,8 +10,6 @@
 // order than torch's, and SiLU's exp is our own polynomial (relative error ~1e-7), differences
 // at the level of float rounding. Each op has a raw-row form (`*_into`) that the C++ decode
 // loop calls on its workspace; the tensor form allocates the output and wraps it.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <vector>

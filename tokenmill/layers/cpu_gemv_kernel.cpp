@@ -16,8 +16,6 @@
 // Compact panels (layers/gemv_blocks.h): weights that are exactly GGUF Q4_1 or Q8_0 values
 // also stream in their blocks, a fifth or a quarter of the bytes, and are rebuilt in
 // registers as the same fp32 numbers; the output is bitwise that of the fp32 panels.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>
 #if defined(__AVX2__) && defined(__FMA__)

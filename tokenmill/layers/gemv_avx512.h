@@ -8,7 +8,6 @@
 // The plan is the AVX2 one: up to one row group (12 rows), one pass over the panels, several
 // side by side; more rows go in equal groups over K blocks, the panels' slice staying in L1
 // while every group passes over it. Threads take the panels in chunks (kernels/work_sharing.h).
-#include <torch/extension.h>
 
 #include <algorithm>
 #if defined(__AVX512F__)

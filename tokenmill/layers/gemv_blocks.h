@@ -10,8 +10,6 @@
 // kernel rebuilds the 16 weights of a k step in two registers with the same roundings, so its
 // output is bitwise that of the fp32 panels, for 0.75 (Q4_1) or 1.125 (Q8_0) bytes a weight
 // instead of 4.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>

@@ -8,12 +8,18 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from tokenmill.attention import cpu_paged
 from tokenmill.attention.registry import resolve_backend_name
+from tokenmill.kernels.cpp_build import load_in_parallel
+from tokenmill.layers import cpu_fused, cpu_gemv
 from tokenmill.layers.cpu_fused import enable_fused_elementwise, resolve_elementwise_backend
 from tokenmill.layers.linear import prepack_linears, resolve_linear_backend
-from tokenmill.models import gguf_loader
+from tokenmill.models import decode_plan, gguf_loader
 from tokenmill.models.registry import model_class
 from tokenmill.models.spec import ModelSpec, spec_from_hf_config
+
+# The C++ kernels a CPU fp32 model may run (attention, linears, elementwise, decode loop).
+CPU_KERNELS = [cpu_paged.KERNEL, cpu_gemv.KERNEL, cpu_fused.KERNEL, decode_plan.LOOP]
 
 
 def _iter_safetensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -48,6 +54,8 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
 
     Returns the model, its spec and the resolved max_model_len.
     """
+    if device.type == "cpu" and dtype == torch.float32:   # what "auto" may pick, built at once
+        load_in_parallel(CPU_KERNELS)
     if kind == "gguf":
         reader = gguf_loader.open_gguf(path)
         spec = gguf_loader.spec_from_gguf(reader)

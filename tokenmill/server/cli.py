@@ -89,6 +89,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model_tag:
         args.model = args.model_tag
     settings = engine_config(args)
+    print(f"tokenmill: loading {settings.model.model} (on a CPU, the first start also builds "
+          "the C++ kernels: a minute or two)", flush=True)
     engine, app = build_long_lived(lambda: _engine_and_app(args, settings))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=5, access_log=False)

@@ -176,6 +176,24 @@ def test_compact_panels_give_bitwise_the_fp32_panels_output(fmt, rows, blocks, p
                            together[row:row + 1]), row
 
 
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a race needs two threads")
+def test_q4_1_packer_gives_the_same_panels_on_every_thread_count():
+    """Q4_1 packs columns c and c + 8 of a panel into one byte; when the packer's threads
+    split the rows mid-panel (48 rows: 24 and 24 on two threads), both wrote that byte at once
+    and now and then one's nibbles were lost (about one pack in 6,000 here): the model got
+    wrong weights and no error. Many packs of such a weight must all equal a one-thread pack."""
+    weight = q4_1_weight(torch.Generator().manual_seed(0), 3 * 16, 64)
+    pack = load_kernel().pack_gemv_q4
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = pack(weight)
+    finally:
+        torch.set_num_threads(threads)
+    differing = sum(not torch.equal(pack(weight), alone) for _ in range(40_000))
+    assert differing == 0
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_compact_packers_refuse_weights_they_cannot_rebuild_exactly(fmt):
     make, packer, _ = FORMATS[fmt]

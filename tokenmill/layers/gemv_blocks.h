@@ -215,10 +215,13 @@ torch::Tensor pack(torch::Tensor weight) {
   const float* wp = w.data_ptr<float>();
   auto* out = static_cast<uint8_t*>(packed.data_ptr());
   std::atomic<bool> exact{true};
-  at::parallel_for(0, n, kCols, [&](int64_t begin, int64_t end) {
+  // Whole panels per thread: Q4_1 packs columns c and c + 8 into one byte (store's |=), so
+  // two threads must never share a panel. (Split by rows, at::parallel_for cut 48 rows into
+  // 24 and 24 on two threads and lost nibbles of the middle panel now and then.)
+  at::parallel_for(0, n / kCols, 1, [&](int64_t first_panel, int64_t last_panel) {
     float scales[2];
     int q[kSteps];
-    for (int64_t row = begin; row < end && exact; ++row)
+    for (int64_t row = first_panel * kCols; row < last_panel * kCols && exact; ++row)
       for (int64_t b = 0; b < blocks; ++b) {
         if (!F::fit(wp + row * k + b * kSteps, scales, q)) {
           exact = false;

@@ -222,6 +222,8 @@ def test_hybrid_linear_takes_compact_panels_for_short_steps_only():
     assert layers[True].gemv_compact.dtype == torch.uint8
     limit = GEMV_COMPACT_MAX_ROWS[torch.uint8]
     assert layers[True].small_step_panels(limit) is layers[True].gemv_compact
+    # fp32 panels are kept only for the kernel's steps too long for the compact ones
+    assert (layers[True].gemv_weight is not None) == (limit < GEMV_MAX_ROWS)
     assert layers[True].small_step_panels(limit + 1) is layers[True].gemv_weight
     for rows in (1, 3, limit, limit + 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5):
         x = torch.randn(rows, 128, generator=gen)

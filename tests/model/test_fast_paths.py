@@ -12,6 +12,7 @@ from tests.helpers.gil import longest_stall_beside
 from tests.helpers.oracle import assert_kv_clean
 from tokenmill.attention.cpu_paged import load_kernel
 from tokenmill.layers.cpu_fused import load_kernel as load_fused_kernel
+from tokenmill.layers.cpu_gemv import GEMV_COMPACT_MAX_ROWS, GEMV_MAX_ROWS
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill import SamplingParams
 from tokenmill.models.decode_plan import DecodePlan
@@ -46,11 +47,15 @@ def fast_path_active(llm) -> bool:
     return (layer.self_attn.backend.name == kernel
             and layer.mlp.gate_up_proj.packed_weight is not None
             and model.lm_head.packed_weight is not None
-            and (layer.mlp.gate_up_proj.gemv_weight is not None) == gemv
-            and (model.lm_head.gemv_weight is not None) == gemv
+            and layer.mlp.gate_up_proj.has_gemv_panels == gemv
+            and model.lm_head.has_gemv_panels == gemv
             # the default model is Q4_1 with a Q8_0 embedding (the tied lm_head)
             and (layer.mlp.gate_up_proj.gemv_compact is not None) == gemv
             and (model.lm_head.gemv_compact is not None) == gemv
+            # fp32 panels only for steps the compact ones do not take
+            and all((linear.gemv_weight is not None)
+                    == (gemv and GEMV_COMPACT_MAX_ROWS[linear.gemv_compact.dtype]
+                        < GEMV_MAX_ROWS) for linear in (layer.mlp.gate_up_proj, model.lm_head))
             and (layer.input_layernorm.kernel is not None) == fused
             and (layer.mlp.act.kernel is not None) == fused
             and (model.model.rotary.kernel is not None) == fused
@@ -176,7 +181,7 @@ def test_decode_loop_lets_other_threads_run(llm):
         pytest.skip("the decode plan needs the C++ kernels")
     k_cache = llm.engine.core.worker.runner.kv_caches[0][0]
     caches = [torch.zeros(2, *k_cache.shape[1:]) for _ in range(2 * plan.num_layers)]
-    rows, dim = 256, k_cache.shape[3]
+    rows, dim = GEMV_MAX_ROWS, k_cache.shape[3]   # the longest step the plan takes
     hidden = torch.randn(rows, model.norm.weight.shape[0])
     cos, sin = torch.ones(rows, dim), torch.zeros(rows, dim)
     table = torch.zeros(rows, 1, dtype=torch.int64)

@@ -71,7 +71,7 @@ class DecodePlan:
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             fused = (layer.input_layernorm.kernel, layer.post_attention_layernorm.kernel,
                      mlp.act.kernel)
-            if (any(m.gemv_weight is None for m in linears) or any(k is None for k in fused)
+            if (not all(m.has_gemv_panels for m in linears) or any(k is None for k in fused)
                     or not isinstance(attn.backend, CpuPagedBackend)
                     or attn.backend.kernel is None):
                 return None
@@ -88,6 +88,9 @@ class DecodePlan:
                    attn.backend.scale, loop, [e for k in kernels for e in k.entry_points()])
 
     def weights(self, num_tokens: int) -> list[torch.Tensor]:
+        if num_tokens > GEMV_MAX_ROWS:   # the linears may have no panels for such a step
+            raise ValueError(f"decode plan: {num_tokens} tokens, more than the "
+                             f"{GEMV_MAX_ROWS} its kernels take")
         weights = self._weights_by_size.get(num_tokens)
         if weights is None:
             weights = [t for layer in self.layers for t in layer.weights(num_tokens)]

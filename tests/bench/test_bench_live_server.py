@@ -115,3 +115,17 @@ def test_sweep_plot_and_compare(server, tmp_path, capsys):
     assert main(["bench", "plot", str(tmp_path / "results.jsonl"), "--out",
                  str(tmp_path / "again.png")]) == 0
     assert (tmp_path / "again.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_seed_run_twice_shows_the_servers_prefix_cache(server, tmp_path, capsys):
+    # The second run of the same prompts is served from the prefix cache: the result line
+    # says so (from the server's own counters), so such a run is not taken for speed.
+    flags = ["--workload", "random", "--num-requests", "4", "--input-len", "64:96",
+             "--output-len", "4", "--seed", "4242"]
+    first, second = (_bench(server, tmp_path, *flags)[-1] for _ in range(2))
+    for result in (first, second):
+        _check(result, 4)
+        assert result["server_prefix_cache"]["queries"] >= result["input_tokens"]
+    assert first["server_prefix_cache"]["hit_rate"] < 0.25
+    assert second["server_prefix_cache"]["hit_rate"] > 0.5
+    assert "server prefix cache:" in capsys.readouterr().out

@@ -42,6 +42,10 @@ def format_table(result: dict) -> str:
     if result["num_length_mismatch"]:
         lines.append(f"WARNING: {result['num_length_mismatch']} requests returned a different "
                      "number of output tokens than asked for")
+    cache = result.get("server_prefix_cache")
+    if cache:
+        lines.append(f"server prefix cache: {cache['hits']} of {cache['queries']} prompt tokens "
+                     f"found ({100 * cache['hit_rate']:.0f}%)")
     if not result["usage_reported"] and result["num_ok"]:
         lines.append("note: the server did not report usage; output tokens were counted as "
                      "stream chunks")

@@ -19,6 +19,7 @@ import httpx
 
 from tokenmill.bench.client import make_http_client, request_body, served_model, stream_request
 from tokenmill.bench.metrics import RequestRecord, summarize
+from tokenmill.bench.server_cache import cache_share, read_counters
 from tokenmill.bench.workloads import Plan, Session, TextTokenizer, WorkloadArgs, build_plan
 
 
@@ -180,12 +181,15 @@ async def _bench(settings: BenchSettings, plan: Plan, warm: Plan | None) -> dict
             await _Run(settings, warm, model, http).run([0.0] * len(warm.sessions), None)
         run = _Run(settings, plan, model, http)
         arrivals = arrival_times(plan, settings.request_rate, settings.sizes.seed)
+        before = await read_counters(http, settings.base_url)   # after the warm-up
         duration = await run.run(arrivals, settings.max_duration)
-    return result_line(settings, plan, model, run.endpoint, run.records, duration)
+        cache = cache_share(before, await read_counters(http, settings.base_url))
+    return result_line(settings, plan, model, run.endpoint, run.records, duration, cache)
 
 
 def result_line(settings: BenchSettings, plan: Plan, model: str, endpoint: str,
-                records: list[RequestRecord], duration: float) -> dict:
+                records: list[RequestRecord], duration: float,
+                server_prefix_cache: dict | None = None) -> dict:
     figures = summarize(records, duration, settings.slo_ttft_ms, settings.slo_tpot_ms)
     return {
         "label": settings.label, "workload": plan.workload, "endpoint": endpoint,
@@ -202,6 +206,8 @@ def result_line(settings: BenchSettings, plan: Plan, model: str, endpoint: str,
             **plan.settings, **settings.extra,
         },
         **figures,
+        # prompt tokens the server's prefix cache served during the run (None: not reported)
+        "server_prefix_cache": server_prefix_cache,
     }
 
 

@@ -26,7 +26,7 @@ class CacheCounters:
 
 def parse_counters(text: str) -> CacheCounters | None:
     """The prefix-cache counters of a Prometheus text page (summed over label sets), or None
-    when the page has neither."""
+    unless it has both."""
     totals = {_QUERIES: 0.0, _HITS: 0.0}
     seen = set()
     for family in text_string_to_metric_families(text):

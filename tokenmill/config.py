@@ -142,10 +142,33 @@ class SchedulerConfig:
                    self.max_num_batched_tokens)
 
 
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: drafts the model checks in the step that would have made one
+    token; the sampler decides each position as it would have without them, so outputs are
+    unchanged (seeded sampling included) and every accepted draft saves a step."""
+    num_speculative_tokens: int = _opt(0, "draft tokens proposed per decoding request and step "
+                                       "by n-gram lookup in its own prompt and output (0: off)")
+    prompt_lookup_min: int = _opt(2, "shortest suffix of a request's tokens the n-gram "
+                                  "proposer looks for in its history")
+    prompt_lookup_max: int = _opt(4, "longest suffix the n-gram proposer looks for (it tries "
+                                  "the longest first)")
+
+    def __post_init__(self) -> None:
+        _require(self.num_speculative_tokens >= 0, "num_speculative_tokens",
+                 f"must be >= 0, got {self.num_speculative_tokens}")
+        _require(self.prompt_lookup_min >= 1, "prompt_lookup_min",
+                 f"must be >= 1, got {self.prompt_lookup_min}")
+        _require(self.prompt_lookup_max >= self.prompt_lookup_min, "prompt_lookup_max",
+                 f"must be >= prompt_lookup_min ({self.prompt_lookup_min}), got "
+                 f"{self.prompt_lookup_max}")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
+    "speculative": SpecConfig,
 }
 
 
@@ -154,6 +177,7 @@ class EngineConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    speculative: SpecConfig = dataclasses.field(default_factory=SpecConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -51,6 +51,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_request_ids: set[str]           # drop these from the worker's state
     num_preemptions: int = 0
+    # request id -> draft tokens to check after its last sampled token (the step computes
+    # 1 + len(drafts) tokens for it and samples at each; speculative decoding)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

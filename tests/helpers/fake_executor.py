@@ -7,6 +7,8 @@ reach its full length. It also simulates the paged KV cache: every computed toke
 its slot through the block table, and every step "attends" over all earlier positions, checking
 that the slots still hold the request's own tokens. So a block handed to two requests, a cached
 prefix with the wrong content, or an overwritten shared block all show up as wrong reads.
+Draft tokens (speculative decoding) are written and read like the others, sampled after at
+each position, and kept up to the first that differs, as the model runner does.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.outputs import FinishReason, RunnerOutput, SchedulerOutput
 from tokenmill.request import Request, RequestStatus
+from tokenmill.sample.speculative import kept_tokens
 from tokenmill.sampling_params import SamplingParams
 
 BS = 4
@@ -50,6 +53,29 @@ def make_request(rid: str, prompt: list[int], max_tokens: int, arrival: float,
                    cache_salt=salt, prompt_source_id=source)
 
 
+class ScriptedProposer:
+    """Drafts that are right up to a scripted mistake: the true continuation (next_token),
+    with the draft at every `wrong_every`-th position changed, so steps accept all, some or
+    none of their drafts."""
+
+    def __init__(self, num_tokens: int = 3, wrong_every: int = 5) -> None:
+        self.num_tokens, self.wrong_every = num_tokens, wrong_every
+        self.forgotten: list[str] = []
+
+    def propose(self, request_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
+        context, drafts = list(token_ids), []
+        for _ in range(min(self.num_tokens, max_tokens)):
+            token = next_token(context)
+            if len(context) % self.wrong_every == 0:
+                token += 1
+            drafts.append(token)
+            context.append(token)
+        return drafts
+
+    def forget(self, request_id: str) -> None:
+        self.forgotten.append(request_id)
+
+
 @dataclass
 class _WorkerState:
     token_ids: list[int]
@@ -78,6 +104,11 @@ class FakeExecutor:
             state = self.states[data.request_id]
             assert state.num_computed_tokens == data.num_computed_tokens
             state.block_ids.extend(data.new_block_ids)
+        drafts = scheduled.draft_token_ids
+        for rid, tokens in drafts.items():
+            state = self.states[rid]
+            assert len(state.token_ids) - state.num_computed_tokens == 1, "drafts of a prompt"
+            state.token_ids.extend(tokens)
         self._check_block_tables()
         written: dict[int, str] = {}
         for rid, num in scheduled.num_scheduled_tokens.items():     # write K/V first ...
@@ -99,12 +130,20 @@ class FakeExecutor:
                     state.token_ids[position], f"{rid} reads a wrong KV at {position}"
             req_ids.append(rid)
             if state.num_computed_tokens == len(state.token_ids):
-                token = next_token(state.token_ids)
-                state.token_ids.append(token)
-                sampled.append([token])
+                sampled.append(self._sample(state, drafts.get(rid, [])))
             else:
                 sampled.append([])                                  # prompt still chunked
         return RunnerOutput(req_ids, sampled)
+
+    @staticmethod
+    def _sample(state: _WorkerState, drafts: list[int]) -> list[int]:
+        base = len(state.token_ids) - len(drafts)
+        tokens = [next_token(state.token_ids[:base + j]) for j in range(len(drafts) + 1)]
+        kept = kept_tokens(tokens, drafts)
+        del state.token_ids[base:]
+        state.token_ids.extend(kept)
+        state.num_computed_tokens -= len(drafts) - (len(kept) - 1)
+        return kept
 
     def _check_block_tables(self) -> None:
         """Blocks a request writes to (past its computed full blocks) belong to it alone."""
@@ -124,10 +163,10 @@ class Harness:
     """Scheduler + KV manager + fake executor, with the per-step checks."""
 
     def __init__(self, num_blocks: int = 64, prefix_cache: bool = True, max_model_len: int = 256,
-                 block_size: int = BS, **scheduler_options) -> None:
+                 block_size: int = BS, proposer=None, **scheduler_options) -> None:
         self.config = SchedulerConfig(**scheduler_options)
         self.kv = KVCacheManager(num_blocks, block_size, prefix_cache)
-        self.scheduler = Scheduler(self.config, self.kv, max_model_len)
+        self.scheduler = Scheduler(self.config, self.kv, max_model_len, proposer)
         self.executor = FakeExecutor(block_size)
         self.outputs: dict[str, list[int]] = defaultdict(list)
         self.finish_reasons: dict[str, FinishReason] = {}
@@ -155,8 +194,11 @@ class Harness:
         out = sched.schedule()
         self.num_steps += 1
         self.scheduled.append(out)
-        counts = out.num_scheduled_tokens
-        assert out.total_num_scheduled_tokens == sum(counts.values())
+        self._check_drafts(out, decodes)
+        # the checks below are of the tokens the request needs (its drafts apart)
+        counts = {rid: n - len(out.draft_token_ids.get(rid, ()))
+                  for rid, n in out.num_scheduled_tokens.items()}
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
         budget, cap = config.max_num_batched_tokens, config.chunk_cap
         if not streaming and config.idle_batched_tokens not in (0, budget):
             # no stream decoding: the idle budget, larger or smaller, and a chunk may take it all
@@ -166,7 +208,7 @@ class Harness:
         if out.total_num_scheduled_tokens > budget:
             # only a whole long prompt may pass the budget, and it ends the step
             last = list(counts.values())[-1]
-            assert last >= whole_from
+            assert last >= whole_from and not out.draft_token_ids
             assert out.total_num_scheduled_tokens - last < budget
         assert len(counts) <= config.max_num_seqs and len(sched.running) <= config.max_num_seqs
         assert set(counts) <= {r.request_id for r in sched.running}
@@ -193,6 +235,19 @@ class Harness:
                 self.finish_reasons[output.request_id] = output.finish_reason
         self.kv.check_integrity()
         return out
+
+    def _check_drafts(self, out: SchedulerOutput, decodes: list[Request]) -> None:
+        """Drafts only for decoding requests, only in steps without prompt work, never past
+        max_tokens or max_model_len."""
+        if not out.draft_token_ids:
+            return
+        assert set(out.draft_token_ids) <= {r.request_id for r in decodes}
+        assert all(n == 1 + len(out.draft_token_ids.get(rid, ()))
+                   for rid, n in out.num_scheduled_tokens.items())
+        for rid, drafts in out.draft_token_ids.items():
+            request = self.scheduler.requests[rid]
+            assert 1 <= len(drafts) <= request.max_tokens - request.num_output_tokens - 1
+            assert request.num_tokens + len(drafts) < self.scheduler.max_model_len
 
     def run(self, max_steps: int = 1000) -> None:
         while self.scheduler.has_unfinished:

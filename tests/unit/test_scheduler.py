@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers.fake_executor import Harness, expected_output, make_request
+from tests.helpers.fake_executor import Harness, ScriptedProposer, expected_output, make_request
 from tokenmill.outputs import FinishReason
 from tokenmill.request import Request, RequestStatus
+from tokenmill.spec.ngram import NgramProposer
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -340,6 +341,46 @@ def test_long_prompt_goes_whole_beside_the_decodes_past_the_budget():
     h.check_end()
 
 
+# ---- speculative decoding -----------------------------------------------------------------
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_drafts_keep_the_output_and_take_back_rejected_positions(prefix_cache):
+    proposer = ScriptedProposer(num_tokens=3, wrong_every=5)
+    h = Harness(prefix_cache=prefix_cache, proposer=proposer)
+    h.add(*(make_request(f"r{i}", prompt(i, 5 + 3 * i), 40, float(i)) for i in range(4)))
+    h.run()
+    h.check_outputs()
+    sched = h.scheduler
+    assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens   # some kept, some not
+    assert h.num_steps < 40 + 2           # fewer steps than tokens: drafts were kept
+    h.check_end()
+    assert sorted(proposer.forgotten) == [f"r{i}" for i in range(4)]
+
+
+def test_drafts_wait_while_a_prompt_is_computed():
+    h = Harness(proposer=ScriptedProposer(wrong_every=1000), max_num_batched_tokens=16)
+    h.add(make_request("a", prompt(1, 6), 30, 0.0))
+    for _ in range(3):
+        h.step()
+    assert h.scheduled[-1].draft_token_ids == {"a": h.scheduled[-1].draft_token_ids["a"]}
+    h.add(make_request("b", prompt(2, 30), 5, 1.0))
+    out = h.step()                        # b's prompt: a decodes alone, without drafts
+    assert out.num_scheduled_tokens["a"] == 1 and not out.draft_token_ids
+    h.run()
+    h.check_outputs()
+    h.check_end()
+
+
+def test_drafts_never_pass_max_tokens_or_the_budget():
+    h = Harness(proposer=ScriptedProposer(num_tokens=8, wrong_every=1000),
+                max_num_batched_tokens=6, max_model_len=40)
+    h.add(make_request("a", prompt(1, 4), 9, 0.0), make_request("b", prompt(2, 30), 10, 0.1))
+    h.run()                               # the harness checks each step's drafts
+    assert all(out.total_num_scheduled_tokens <= 6 for out in h.scheduled)
+    h.check_outputs()
+    h.check_end()
+
+
 # ---- random workloads ---------------------------------------------------------------------
 
 MAX_MODEL_LEN = 32
@@ -358,7 +399,8 @@ def workloads(draw):
         max_prefill_chunk=draw(st.none() | st.integers(1, 16)),
         unchunked_prefill_min=draw(st.integers(0, MAX_MODEL_LEN)),
         idle_batched_tokens=draw(st.integers(0, 2 * MAX_MODEL_LEN)),
-        policy=draw(st.sampled_from(["fcfs", "priority", "lpm"])))
+        policy=draw(st.sampled_from(["fcfs", "priority", "lpm"])),
+        proposer=draw(st.sampled_from([None, "scripted", "ngram"])))
     requests = []
     for i in range(draw(st.integers(1, 8))):
         base = draw(st.integers(0, 2))                # shared prefixes
@@ -379,7 +421,9 @@ def workloads(draw):
 @given(workloads())
 def test_random_workloads_finish_correctly(workload):
     options, specs = workload
-    h = Harness(max_model_len=MAX_MODEL_LEN, **options)
+    proposer = {None: None, "scripted": ScriptedProposer(wrong_every=3),
+                "ngram": NgramProposer(3, 1, 3)}[options.pop("proposer")]
+    h = Harness(max_model_len=MAX_MODEL_LEN, proposer=proposer, **options)
     arrivals: dict[int, list[Request]] = defaultdict(list)
     aborts: dict[int, list[str]] = defaultdict(list)
     for index, spec in enumerate(sorted(specs, key=lambda s: s["arrive_at"])):

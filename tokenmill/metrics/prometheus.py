@@ -46,6 +46,10 @@ class PrometheusStatLogger:
                                          "Prompt tokens found in the prefix cache", **labels),
             "num_preemptions": Counter("tokenmill:num_preemptions",
                                        "Requests preempted", **labels),
+            "spec_draft_tokens": Counter("tokenmill:spec_decode_num_draft_tokens",
+                                         "Speculative draft tokens checked", **labels),
+            "spec_accepted_tokens": Counter("tokenmill:spec_decode_num_accepted_tokens",
+                                            "Speculative draft tokens accepted", **labels),
         }
         self._last_totals = dict.fromkeys(self._totals, 0)
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed",

@@ -15,6 +15,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0           # of those, found cached
     prefix_cache_evicted_blocks: int = 0
     prefix_cache_blocks: int = 0         # blocks currently cached in the tree
+    spec_draft_tokens: int = 0           # draft tokens checked by the model, total
+    spec_accepted_tokens: int = 0        # of those, the sampler's own choice (kept)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -23,20 +23,26 @@ class StepBatch:
     input_ids: torch.Tensor         # [num_tokens]
     positions: torch.Tensor         # [num_tokens]
     attn: AttentionMetadata
-    sample_rows: list[int]          # row of each request that picks a token this step
+    sample_rows: list[int]          # rows that pick a token this step, request by request
     sample_request_ids: list[str]
+    sample_counts: list[int]        # rows per sampling request: 1 + its draft tokens
     prompt_logprob_rows: list[PromptLogprobRows]
 
 
-def build_batch(states: list[RequestState], num_new: list[int], block_size: int,
-                sliding_window: int | None, device: torch.device) -> StepBatch:
-    """states/num_new: the scheduled requests (any order) and their new-token counts."""
-    order = sorted(range(len(states)), key=lambda i: num_new[i] != 1)  # decodes first
+def build_batch(states: list[RequestState], num_new: list[int], num_drafts: list[int],
+                block_size: int, sliding_window: int | None, device: torch.device) -> StepBatch:
+    """states/num_new: the scheduled requests (any order) and their new-token counts;
+    num_drafts: how many of those are draft tokens (at the end of the request's token_ids).
+
+    A decode with drafts is one decode row per token: row j attends to the context up to
+    itself, which holds the keys and values the rows before it write in the same layer."""
+    decoding = [num_new[i] == 1 + num_drafts[i] for i in range(len(states))]
+    order = sorted(range(len(states)), key=lambda i: not decoding[i])  # decodes first
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     decode_tables, decode_lens, prefills = [], [], []
-    sample_rows, sample_ids, logprob_rows = [], [], []
+    sample_rows, sample_ids, sample_counts, logprob_rows = [], [], [], []
     for i in order:
         state, n = states[i], num_new[i]
         start, row = state.num_computed_tokens, len(input_ids)
@@ -47,15 +53,18 @@ def build_batch(states: list[RequestState], num_new: list[int], block_size: int,
                      for p in range(start, start + n))
         seq_len = start + n
         needed = -(-seq_len // block_size)
-        if n == 1:
-            decode_tables.append(blocks[:needed])
-            decode_lens.append(seq_len)
+        if decoding[i]:
+            for length in range(start + 1, seq_len + 1):
+                decode_tables.append(blocks[:-(-length // block_size)])
+                decode_lens.append(length)
         else:
             prefills.append(PrefillSpan(row, n, seq_len,
                                         torch.tensor(blocks[:needed], device=device)))
         if seq_len == len(state.token_ids):
-            sample_rows.append(row + n - 1)
+            count = 1 + num_drafts[i]
+            sample_rows.extend(range(row + n - count, row + n))
             sample_ids.append(state.request_id)
+            sample_counts.append(count)
         if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
             end = min(seq_len, state.num_prompt_tokens - 1)
             logprob_rows.append(PromptLogprobRows(
@@ -74,4 +83,4 @@ def build_batch(states: list[RequestState], num_new: list[int], block_size: int,
     return StepBatch([states[i].request_id for i in order],
                      torch.tensor(input_ids, dtype=torch.long, device=device),
                      torch.tensor(positions, dtype=torch.long, device=device),
-                     attn, sample_rows, sample_ids, logprob_rows)
+                     attn, sample_rows, sample_ids, sample_counts, logprob_rows)

@@ -11,6 +11,7 @@ from tokenmill.models.spec import ModelSpec
 from tokenmill.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.sample.logprobs import token_logprobs
 from tokenmill.sample.sampler import SamplingRow, sample
+from tokenmill.sample.speculative import kept_tokens
 from tokenmill.worker.batch import StepBatch, build_batch
 from tokenmill.worker.request_state import RequestState
 
@@ -45,13 +46,16 @@ class ModelRunner:
         request_ids = list(scheduled.num_scheduled_tokens)
         states = [self.requests[rid] for rid in request_ids]
         num_new = [scheduled.num_scheduled_tokens[rid] for rid in request_ids]
-        batch = build_batch(states, num_new, self.block_size, self.spec.sliding_window,
-                            self.device)
+        drafts = scheduled.draft_token_ids
+        for rid, state in zip(request_ids, states):   # checked as if already sampled
+            state.token_ids.extend(drafts.get(rid, ()))
+        batch = build_batch(states, num_new, [len(drafts.get(r, ())) for r in request_ids],
+                            self.block_size, self.spec.sliding_window, self.device)
         hidden = self.model(batch.input_ids, batch.positions,
                             ForwardContext(batch.attn, self.kv_caches))  # [num_tokens, hidden]
         for state, n in zip(states, num_new):
             state.num_computed_tokens += n
-        sampled, logprobs = self._sample(hidden, batch)
+        sampled, logprobs = self._sample(hidden, batch, drafts)
         return RunnerOutput(
             req_ids=batch.request_ids,
             sampled_token_ids=[sampled.get(rid, []) for rid in batch.request_ids],
@@ -67,22 +71,46 @@ class ModelRunner:
             state.block_ids.extend(data.new_block_ids)
             assert state.num_computed_tokens == data.num_computed_tokens, data.request_id
 
-    def _sample(self, hidden: torch.Tensor, batch: StepBatch
+    def _sample(self, hidden: torch.Tensor, batch: StepBatch, drafts: dict[str, list[int]]
                 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
         if not batch.sample_rows:
             return {}, {}
         rows_index = torch.tensor(batch.sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows_index])          # [rows, vocab]
         states = [self.requests[rid] for rid in batch.sample_request_ids]
-        rows = [SamplingRow(s.params, s.seed, len(s.token_ids) - s.num_prompt_tokens,
-                            s.prompt_token_ids, s.output_token_ids, self.eos_token_ids)
-                for s in states]
+        rows = [row for s, count in zip(states, batch.sample_counts)
+                for row in self._sampling_rows(s, count)]
         token_ids, logprobs = sample(logits, rows)
-        for state, token in zip(states, token_ids):
-            state.token_ids.append(token)
-        sampled = {s.request_id: [t] for s, t in zip(states, token_ids)}
-        chosen = {s.request_id: [lp] for s, lp in zip(states, logprobs) if lp is not None}
+        sampled, chosen, first = {}, {}, 0
+        for state, count in zip(states, batch.sample_counts):
+            rid, end = state.request_id, first + count
+            kept = self._keep(state, token_ids[first:end], drafts.get(rid, []))
+            sampled[rid] = kept
+            if logprobs[first] is not None:
+                chosen[rid] = logprobs[first:first + len(kept)]
+            first = end
         return sampled, chosen
+
+    def _sampling_rows(self, state: RequestState, count: int) -> list[SamplingRow]:
+        """One row per position sampled: the request's next token, then one after each of
+        its count - 1 drafts (the last tokens of state.token_ids)."""
+        base = len(state.token_ids) - (count - 1)     # tokens before the drafts
+        prompt = state.prompt_token_ids
+        return [SamplingRow(state.params, state.seed, base + j - state.num_prompt_tokens,
+                            prompt, state.token_ids[state.num_prompt_tokens:base + j],
+                            self.eos_token_ids)
+                for j in range(count)]
+
+    @staticmethod
+    def _keep(state: RequestState, sampled: list[int], drafts: list[int]) -> list[int]:
+        """Replace the drafts in state.token_ids by what the step keeps, and take the
+        rejected drafts' positions back from num_computed_tokens."""
+        kept = kept_tokens(sampled, drafts)
+        if drafts:
+            del state.token_ids[-len(drafts):]
+            state.num_computed_tokens -= len(drafts) - (len(kept) - 1)
+        state.token_ids.extend(kept)
+        return kept
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch
                          ) -> dict[str, list[TokenLogprobs]]:

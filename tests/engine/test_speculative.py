@@ -104,9 +104,11 @@ def test_stops_inside_a_run_of_kept_drafts(spec_llm, llm, without_drafts):
     # a token first seen well into the output, where drafts are being kept
     first = next(i for i, t in enumerate(ref) if i >= 8 and ref.index(t) == i)
     token = ref[first]
+    kept_before = drafts_checked(spec_llm)[1]
     out = spec_llm.generate(PROMPTS[1], SamplingParams(
         temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[token]))[0].outputs[0]
     assert out.token_ids == ref[:first + 1] and out.finish_reason == FinishReason.STOP
+    assert drafts_checked(spec_llm)[1] > kept_before   # drafts were kept on the way there
     for limit in (1, 2, 7):
         short = spec_llm.generate(PROMPTS[1], SamplingParams(
             temperature=0, max_tokens=limit, ignore_eos=True))[0].outputs[0]

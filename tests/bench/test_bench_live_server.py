@@ -18,7 +18,9 @@ FIELDS = ("label", "workload", "endpoint", "base_url", "model", "date", "setting
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--max-model-len", "4096")
+    # with n-gram drafts: every workload below also checks them under the bench's fixed-length
+    # requests (min_tokens, ignore_eos) and streaming
+    srv = Server("--max-model-len", "4096", "--num-speculative-tokens", "3")
     yield srv
     srv.stop()
 
@@ -49,8 +51,9 @@ WORKLOADS = {
                       "--output-len", "6"],
     "multiturn": ["--num-requests", "2", "--num-turns", "2", "--input-len", "12",
                   "--output-len", "6"],
+    "prose": ["--num-requests", "3", "--input-len", "48:64", "--output-len", "24"],
 }
-EXPECTED = {"decode1": 2, "random": 4, "shared_prefix": 4, "multiturn": 4}
+EXPECTED = {"decode1": 2, "random": 4, "shared_prefix": 4, "multiturn": 4, "prose": 3}
 
 
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
@@ -115,6 +118,17 @@ def test_sweep_plot_and_compare(server, tmp_path, capsys):
     assert main(["bench", "plot", str(tmp_path / "results.jsonl"), "--out",
                  str(tmp_path / "again.png")]) == 0
     assert (tmp_path / "again.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_result_shows_the_servers_drafts(server, tmp_path, capsys):
+    # A 135M model repeats itself on random words: n-gram drafts are proposed and kept.
+    [result] = _bench(server, tmp_path, "--workload", "decode1", "--num-requests", "1",
+                      "--input-len", "32", "--output-len", "64")
+    _check(result, 1)
+    drafts = result["server_spec_decode"]
+    assert 0 < drafts["accepted"] <= drafts["drafts"], drafts
+    assert drafts["acceptance_rate"] == drafts["accepted"] / drafts["drafts"]
+    assert "server drafts:" in capsys.readouterr().out
 
 
 def test_a_seed_run_twice_shows_the_servers_prefix_cache(server, tmp_path, capsys):

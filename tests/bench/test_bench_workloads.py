@@ -29,6 +29,24 @@ def test_prompts_have_exact_token_lengths(tokenizer):
         assert 5 <= turn.input_len <= 300 and 64 <= turn.output_len <= 256
 
 
+def test_prose_prompts_are_documentation_passages_within_the_length(tokenizer):
+    args = WorkloadArgs(num_requests=5, input_len=(40, 200), output_len=(30, 30), seed=3)
+    plan = build_plan("prose", args, tokenizer)
+    assert plan.endpoint == "chat" and plan.concurrency == 16
+    texts = []
+    for session in plan.sessions:
+        turn = session.turns[0]
+        assert not turn.exact_len and turn.output_len == 30
+        assert turn.input_len == len(tokenizer.encode(turn.text)) and turn.input_len <= 200
+        task, _, passage = turn.text.partition("\n\n")
+        assert task.endswith(".") and len(passage.split()) > 5
+        texts.append(turn.text)
+    assert len(set(texts)) == 5
+    assert [s.turns[0].text for s in build_plan("prose", args, tokenizer).sessions] == texts
+    with pytest.raises(ValueError, match="input length 10"):
+        build_plan("prose", WorkloadArgs(num_requests=1, input_len=(10, 10)), tokenizer)
+
+
 def test_shared_prefix_and_long_interference_shapes(tokenizer):
     plan = build_plan("shared_prefix", WorkloadArgs(num_requests=3, prefix_len=100,
                                                     input_len=(7, 7)), tokenizer)

@@ -26,11 +26,13 @@ def make_http_client(timeout_s: float) -> httpx.AsyncClient:
 
 
 def request_body(endpoint: str, model: str, prompt: str | None, messages: list[dict] | None,
-                 output_len: int, temperature: float) -> dict:
-    """Fixed-length output: max_tokens + min_tokens + ignore_eos (servers ignore unknowns)."""
+                 output_len: int, temperature: float, exact_len: bool = True) -> dict:
+    """Fixed-length output: max_tokens + min_tokens + ignore_eos (servers ignore unknowns);
+    with exact_len False, max_tokens only."""
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": output_len, "min_tokens": output_len, "ignore_eos": True,
-            "temperature": temperature}
+            "max_tokens": output_len, "temperature": temperature}
+    if exact_len:
+        body.update(min_tokens=output_len, ignore_eos=True)
     if endpoint == "chat":
         body["messages"] = messages
     else:

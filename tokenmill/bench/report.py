@@ -46,6 +46,10 @@ def format_table(result: dict) -> str:
     if cache:
         lines.append(f"server prefix cache: {cache['hits']} of {cache['queries']} prompt tokens "
                      f"found ({100 * cache['hit_rate']:.0f}%)")
+    drafts = result.get("server_spec_decode")
+    if drafts:
+        lines.append(f"server drafts: {drafts['accepted']} of {drafts['drafts']} kept "
+                     f"({100 * drafts['acceptance_rate']:.0f}%)")
     if not result["usage_reported"] and result["num_ok"]:
         lines.append("note: the server did not report usage; output tokens were counted as "
                      "stream chunks")

@@ -19,8 +19,9 @@ import httpx
 
 from tokenmill.bench.client import make_http_client, request_body, served_model, stream_request
 from tokenmill.bench.metrics import RequestRecord, summarize
-from tokenmill.bench.server_cache import cache_share, read_counters
-from tokenmill.bench.workloads import Plan, Session, TextTokenizer, WorkloadArgs, build_plan
+from tokenmill.bench.server_counters import PREFIX_CACHE, SPEC_DECODE, read_counters, run_share
+from tokenmill.bench.workloads import (Plan, Session, TextTokenizer, Turn, WorkloadArgs,
+                                       build_plan)
 
 
 @dataclass
@@ -48,7 +49,7 @@ class _Run:
     def __init__(self, settings: BenchSettings, plan: Plan, model: str,
                  http: httpx.AsyncClient) -> None:
         self.settings, self.plan, self.model, self.http = settings, plan, model, http
-        self.endpoint = "chat" if plan.chat_history else settings.endpoint
+        self.endpoint = "chat" if plan.chat_history else plan.endpoint or settings.endpoint
         self.records: list[RequestRecord] = []
         limit = effective_concurrency(settings, plan)
         self.limit = asyncio.Semaphore(limit) if limit else None
@@ -64,23 +65,24 @@ class _Run:
         if self.num_started >= self.num_leaders:
             self.leaders_started.set()
 
-    def _body(self, session: Session, history: list[dict], text: str, output_len: int) -> dict:
+    def _body(self, session: Session, history: list[dict], turn: Turn) -> dict:
         if self.endpoint == "chat":
             system = [{"role": "system", "content": session.system}] if session.system else []
-            messages = system + history + [{"role": "user", "content": text}]
-            return request_body("chat", self.model, None, messages, output_len,
-                                self.settings.temperature)
-        return request_body("completions", self.model, (session.system or "") + text, None,
-                            output_len, self.settings.temperature)
+            messages = system + history + [{"role": "user", "content": turn.text}]
+            return request_body("chat", self.model, None, messages, turn.output_len,
+                                self.settings.temperature, turn.exact_len)
+        return request_body("completions", self.model, (session.system or "") + turn.text,
+                            None, turn.output_len, self.settings.temperature, turn.exact_len)
 
     async def _turns(self, session: Session) -> None:
         history: list[dict] = []
         signal = None if session.after_first_tokens else _once(self._leader_started)
         try:
             for index, turn in enumerate(session.turns):
-                record = RequestRecord(session.group, turn.input_len, turn.output_len)
+                record = RequestRecord(session.group, turn.input_len, turn.output_len,
+                                       exact_len=turn.exact_len)
                 self.records.append(record)
-                body = self._body(session, history, turn.text, turn.output_len)
+                body = self._body(session, history, turn)
                 try:
                     await stream_request(self.http, self.settings.base_url, self.endpoint, body,
                                          record, signal)
@@ -183,13 +185,16 @@ async def _bench(settings: BenchSettings, plan: Plan, warm: Plan | None) -> dict
         arrivals = arrival_times(plan, settings.request_rate, settings.sizes.seed)
         before = await read_counters(http, settings.base_url)   # after the warm-up
         duration = await run.run(arrivals, settings.max_duration)
-        cache = cache_share(before, await read_counters(http, settings.base_url))
-    return result_line(settings, plan, model, run.endpoint, run.records, duration, cache)
+        after = await read_counters(http, settings.base_url)
+    return result_line(settings, plan, model, run.endpoint, run.records, duration,
+                       run_share(PREFIX_CACHE, before, after),
+                       run_share(SPEC_DECODE, before, after))
 
 
 def result_line(settings: BenchSettings, plan: Plan, model: str, endpoint: str,
                 records: list[RequestRecord], duration: float,
-                server_prefix_cache: dict | None = None) -> dict:
+                server_prefix_cache: dict | None = None,
+                server_spec_decode: dict | None = None) -> dict:
     figures = summarize(records, duration, settings.slo_ttft_ms, settings.slo_tpot_ms)
     return {
         "label": settings.label, "workload": plan.workload, "endpoint": endpoint,
@@ -208,6 +213,8 @@ def result_line(settings: BenchSettings, plan: Plan, model: str, endpoint: str,
         **figures,
         # prompt tokens the server's prefix cache served during the run (None: not reported)
         "server_prefix_cache": server_prefix_cache,
+        # draft tokens the server checked and kept during the run (None: not reported)
+        "server_spec_decode": server_spec_decode,
     }
 
 

@@ -3,7 +3,9 @@
 A plan is a list of sessions. A session is one or more turns sent one after another (a
 multi-turn conversation); single-request workloads have one-turn sessions. Prompts are made
 of whole-word vocabulary entries (" word"), which re-tokenize one token per word, so a prompt
-of n words is n tokens for the served model's tokenizer; a fix-up pass checks it.
+of n words is n tokens for the served model's tokenizer; a fix-up pass checks it. The
+`prose` workload instead asks about passages of real text (bench/prose.py) and lets each
+answer end where the model ends it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-WORKLOADS = ("decode1", "random", "shared_prefix", "multiturn", "long_interference", "trace")
+from tokenmill.bench.prose import prose_prompt
+
+WORKLOADS = ("decode1", "random", "shared_prefix", "multiturn", "long_interference", "prose",
+             "trace")
 
 
 class TextTokenizer(Protocol):
@@ -26,7 +31,8 @@ class TextTokenizer(Protocol):
 class Turn:
     text: str                # the prompt (completions) or the new user message (chat)
     input_len: int           # tokens in the system text + `text` (the chat template adds more)
-    output_len: int
+    output_len: int          # exact, or at most (exact_len False: the model may end sooner)
+    exact_len: bool = True
 
 
 @dataclass
@@ -44,6 +50,7 @@ class Plan:
     sessions: list[Session]
     concurrency: int | None          # default in-flight sessions (None: unlimited)
     chat_history: bool = False       # chat turns resend the whole conversation
+    endpoint: str | None = None      # the endpoint the workload needs (None: --endpoint)
     settings: dict = field(default_factory=dict)
 
 
@@ -174,6 +181,18 @@ def _multiturn(args: WorkloadArgs, maker: TextMaker) -> Plan:
         "input_len": list(in_len), "output_len": list(out_len)})
 
 
+def _prose(args: WorkloadArgs, maker: TextMaker) -> Plan:
+    in_len, out_len = args.input_len or (64, 512), args.output_len or (256, 256)
+    rng = random.Random(args.seed)
+    sessions = []
+    for _ in range(args.num_requests or 32):
+        text = prose_prompt(maker.tokenizer, rng, _draw(rng, in_len))
+        sessions.append(Session([Turn(text, len(maker.tokenizer.encode(text)),
+                                      _draw(rng, out_len), exact_len=False)]))
+    return Plan("prose", sessions, 16, endpoint="chat", settings={
+        "input_len": list(in_len), "output_len": list(out_len), "exact_output_len": False})
+
+
 LONG_OUTPUT_LEN = 16  # the long prompt only needs to show its TTFT
 
 
@@ -233,6 +252,8 @@ def build_plan(name: str, args: WorkloadArgs, tokenizer: TextTokenizer) -> Plan:
         return _multiturn(args, maker)
     if name == "long_interference":
         return _long_interference(args, maker)
+    if name == "prose":
+        return _prose(args, maker)
     if name == "trace":
         return _trace(args, maker)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")

@@ -1,0 +1,74 @@
+"""A server's own counters around a benchmark run: its prefix cache and its draft tokens.
+
+A server keeps its prefix cache between runs, so a workload whose prompts it has already seen
+(the same seed run twice, or an ad-hoc check before a set) is answered partly from the cache
+and measures that, not the engine. With speculative decoding, how many drafts the server kept
+explains its speed (and depends on the text as much as on the engine). tokenmill and vLLM
+both count these in their Prometheus metrics (`<namespace>:prefix_cache_{queries,hits}`,
+`<namespace>:spec_decode_num_{draft,accepted}_tokens`); reading them before and after the run
+gives the run's share. Servers without them (llama-server) give None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass(frozen=True)
+class CounterPair:
+    """Two counters of a server: a total, and the part of it that succeeded."""
+    total: str                    # sample name after the namespace
+    part: str
+    keys: tuple[str, str, str]    # the results line's names for total, part and their ratio
+
+
+PREFIX_CACHE = CounterPair("prefix_cache_queries_total", "prefix_cache_hits_total",
+                           ("queries", "hits", "hit_rate"))
+SPEC_DECODE = CounterPair("spec_decode_num_draft_tokens_total",
+                          "spec_decode_num_accepted_tokens_total",
+                          ("drafts", "accepted", "acceptance_rate"))
+PAIRS = (PREFIX_CACHE, SPEC_DECODE)
+
+Readings = dict[CounterPair, tuple[float, float]]   # pair -> (total, part)
+
+
+def parse_counters(text: str) -> Readings:
+    """Each pair whose two counters a Prometheus text page has, summed over label sets."""
+    totals: dict[str, float] = {}
+    wanted = {name for pair in PAIRS for name in (pair.total, pair.part)}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            # the name after the namespace, exactly: vLLM also counts an external KV
+            # connector's cache as `vllm:external_prefix_cache_*`
+            name = sample.name.rsplit(":", 1)[-1]
+            if name in wanted:
+                totals[name] = totals.get(name, 0.0) + sample.value
+    return {pair: (totals[pair.total], totals[pair.part]) for pair in PAIRS
+            if pair.total in totals and pair.part in totals}
+
+
+async def read_counters(http: httpx.AsyncClient, base_url: str) -> Readings:
+    """GET {base_url}/metrics and parse it; empty if the server has no such page."""
+    try:
+        response = await http.get(f"{base_url.rstrip('/')}/metrics")
+        if response.status_code != 200:
+            return {}
+        return parse_counters(response.text)
+    except (httpx.HTTPError, OSError, ValueError):
+        return {}
+
+
+def run_share(pair: CounterPair, before: Readings, after: Readings) -> dict | None:
+    """The run's increase of the pair's total and part and the part's share of it (None
+    without both readings, or when the total did not grow)."""
+    if pair not in before or pair not in after:
+        return None
+    total = after[pair][0] - before[pair][0]
+    part = after[pair][1] - before[pair][1]
+    if total <= 0:
+        return None
+    total_key, part_key, ratio_key = pair.keys
+    return {total_key: int(total), part_key: int(part), ratio_key: part / total}

@@ -153,12 +153,17 @@ class SpecConfig:
                                   "proposer looks for in its history")
     prompt_lookup_max: int = _opt(4, "longest suffix the n-gram proposer looks for (it tries "
                                   "the longest first)")
+    draft_policy: str = _opt("adaptive", "which proposed drafts a step checks: adaptive (those "
+                             "whose measured chance of being kept pays for the rows they add "
+                             "to the step) or all")
 
     def __post_init__(self) -> None:
         _require(self.num_speculative_tokens >= 0, "num_speculative_tokens",
                  f"must be >= 0, got {self.num_speculative_tokens}")
         _require(self.prompt_lookup_min >= 1, "prompt_lookup_min",
                  f"must be >= 1, got {self.prompt_lookup_min}")
+        _require(self.draft_policy in ("adaptive", "all"), "draft_policy",
+                 f"must be 'adaptive' or 'all', got {self.draft_policy!r}")
         _require(self.prompt_lookup_max >= self.prompt_lookup_min, "prompt_lookup_max",
                  f"must be >= prompt_lookup_min ({self.prompt_lookup_min}), got "
                  f"{self.prompt_lookup_max}")

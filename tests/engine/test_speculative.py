@@ -10,7 +10,9 @@ from tests.helpers.oracle import assert_kv_clean, hf_greedy
 from tokenmill import SamplingParams
 from tokenmill.outputs import FinishReason
 
-SPEC = {"num_speculative_tokens": 3}
+# Every proposed draft checked: the tests below are about the mechanism; the adaptive policy
+# (which drafts pay) has its own test.
+SPEC = {"num_speculative_tokens": 3, "draft_policy": "all"}
 # Repetitive prompts: the small model continues them, so many drafts are right and some not.
 PROMPTS = [f"List {topic}: " + ", ".join([topic] * (3 + i)) for i, topic in enumerate(
     ["cats", "one two three", "red green blue", "the sea", "north south", "apples", "A B C D",
@@ -45,6 +47,17 @@ def test_greedy_output_is_unchanged_and_drafts_pay(spec_llm, without_drafts):
     one = [spec_llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS[:3]]
     assert one == without_drafts[:3]
     assert_kv_clean(spec_llm)
+
+
+def test_the_adaptive_policy_keeps_the_output_and_drafts_for_one_stream(make_llm,
+                                                                        without_drafts):
+    llm = make_llm(num_speculative_tokens=3)     # draft_policy: adaptive, the default
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == without_drafts
+    drafted, accepted = drafts_checked(llm)
+    one = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS[:3]]
+    assert one == without_drafts[:3]
+    assert drafts_checked(llm)[1] > accepted     # one stream: right drafts pay
+    assert_kv_clean(llm)
 
 
 def test_greedy_matches_transformers_with_drafts(spec_llm, hf_oracle):

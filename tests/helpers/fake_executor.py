@@ -23,6 +23,7 @@ from tokenmill.outputs import FinishReason, RunnerOutput, SchedulerOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sample.speculative import kept_tokens
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.drafter import Drafter
 
 BS = 4
 
@@ -163,10 +164,12 @@ class Harness:
     """Scheduler + KV manager + fake executor, with the per-step checks."""
 
     def __init__(self, num_blocks: int = 64, prefix_cache: bool = True, max_model_len: int = 256,
-                 block_size: int = BS, proposer=None, **scheduler_options) -> None:
+                 block_size: int = BS, proposer=None, adaptive_drafts: bool = False,
+                 **scheduler_options) -> None:
         self.config = SchedulerConfig(**scheduler_options)
         self.kv = KVCacheManager(num_blocks, block_size, prefix_cache)
-        self.scheduler = Scheduler(self.config, self.kv, max_model_len, proposer)
+        drafter = Drafter(proposer, adaptive_drafts) if proposer is not None else None
+        self.scheduler = Scheduler(self.config, self.kv, max_model_len, drafter)
         self.executor = FakeExecutor(block_size)
         self.outputs: dict[str, list[int]] = defaultdict(list)
         self.finish_reasons: dict[str, FinishReason] = {}

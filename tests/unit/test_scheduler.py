@@ -351,10 +351,21 @@ def test_drafts_keep_the_output_and_take_back_rejected_positions(prefix_cache):
     h.run()
     h.check_outputs()
     sched = h.scheduler
-    assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens   # some kept, some not
+    assert 0 < sched.drafter.num_accepted_tokens < sched.drafter.num_draft_tokens  # some kept
     assert h.num_steps < 40 + 2           # fewer steps than tokens: drafts were kept
     h.check_end()
     assert sorted(proposer.forgotten) == [f"r{i}" for i in range(4)]
+
+
+def test_adaptive_drafts_stop_when_mostly_wrong_and_the_output_is_unchanged():
+    h = Harness(proposer=ScriptedProposer(num_tokens=3, wrong_every=1), adaptive_drafts=True)
+    h.add(*(make_request(f"r{i}", prompt(i, 6), 30, float(i)) for i in range(3)))
+    h.run()
+    h.check_outputs()
+    drafted = [out for out in h.scheduled if out.draft_token_ids]
+    assert drafted and len(drafted) < 8      # a few steps of drafts, then guesses only
+    assert h.scheduler.drafter.num_accepted_tokens == 0
+    h.check_end()
 
 
 def test_drafts_wait_while_a_prompt_is_computed():
@@ -400,7 +411,7 @@ def workloads(draw):
         unchunked_prefill_min=draw(st.integers(0, MAX_MODEL_LEN)),
         idle_batched_tokens=draw(st.integers(0, 2 * MAX_MODEL_LEN)),
         policy=draw(st.sampled_from(["fcfs", "priority", "lpm"])),
-        proposer=draw(st.sampled_from([None, "scripted", "ngram"])))
+        proposer=draw(st.sampled_from([None, "scripted", "ngram", "adaptive"])))
     requests = []
     for i in range(draw(st.integers(1, 8))):
         base = draw(st.integers(0, 2))                # shared prefixes
@@ -421,9 +432,11 @@ def workloads(draw):
 @given(workloads())
 def test_random_workloads_finish_correctly(workload):
     options, specs = workload
+    kind = options.pop("proposer")
     proposer = {None: None, "scripted": ScriptedProposer(wrong_every=3),
-                "ngram": NgramProposer(3, 1, 3)}[options.pop("proposer")]
-    h = Harness(max_model_len=MAX_MODEL_LEN, proposer=proposer, **options)
+                "ngram": NgramProposer(3, 1, 3), "adaptive": ScriptedProposer(wrong_every=2)}[kind]
+    h = Harness(max_model_len=MAX_MODEL_LEN, proposer=proposer,
+                adaptive_drafts=kind == "adaptive", **options)
     arrivals: dict[int, list[Request]] = defaultdict(list)
     aborts: dict[int, list[str]] = defaultdict(list)
     for index, spec in enumerate(sorted(specs, key=lambda s: s["arrive_at"])):

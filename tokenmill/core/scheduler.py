@@ -10,10 +10,11 @@ whatever the budget. With `idle_batched_tokens` (off by default), a step in whic
 request has output yet takes that budget (and chunk cap, unless `max_prefill_chunk` is set).
 Larger than the budget, prompts that arrive together share one step; smaller, the first step
 of a burst is short, so the head of the queue answers soon, and once it streams the rest of
-the burst goes in steps of the full budget. With a draft proposer (speculative decoding), a
-decoding request computes its last token and the drafts proposed after it in one step; the
-worker samples at each and keeps the drafts up to the first that differs from the sampled
-token, and `update` takes the rejected drafts' positions back from num_computed_tokens.
+the burst goes in steps of the full budget. With a drafter (speculative decoding), a
+decoding request in a step without prompt work computes its last token and the drafts the
+drafter chose for it (spec/drafter.py) in one step; the worker samples at each and keeps the
+drafts up to the first that differs from the sampled token, and `update` takes the rejected
+drafts' positions back from num_computed_tokens.
 
 Pure Python over ints and lists: no torch, no model.
 """
@@ -29,7 +30,7 @@ from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import (CachedRequestData, EngineCoreOutput, FinishReason, NewRequestData,
                                RunnerOutput, SchedulerOutput)
 from tokenmill.request import Request, RequestStatus
-from tokenmill.spec.ngram import NgramProposer
+from tokenmill.spec.drafter import Drafter
 
 
 _LPM_MAX_QUEUE = 128   # longer queues: FCFS, sorting by prefix would cost more than it saves
@@ -73,11 +74,9 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 proposer: NgramProposer | None = None) -> None:
+                 drafter: Drafter | None = None) -> None:
         self.config = config
-        self.proposer = proposer
-        self.num_draft_tokens = 0       # speculative drafts checked, total
-        self.num_accepted_tokens = 0    # of those, kept
+        self.drafter = drafter          # None: no speculative decoding
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting = WaitingQueue(config.policy)
@@ -123,8 +122,8 @@ class Scheduler:
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             prefix_cache_evicted_blocks=prefix.evicted_blocks,
             prefix_cache_blocks=self.kv.tree.num_cached_blocks,
-            spec_draft_tokens=self.num_draft_tokens,
-            spec_accepted_tokens=self.num_accepted_tokens)
+            spec_draft_tokens=self.drafter.num_draft_tokens if self.drafter else 0,
+            spec_accepted_tokens=self.drafter.num_accepted_tokens if self.drafter else 0)
 
     # ---- scheduling ----------------------------------------------------------------------
 
@@ -133,7 +132,7 @@ class Scheduler:
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
-        if self.proposer is not None and not plan.preempted and not self._has_prompt_work(plan):
+        if self.drafter is not None and not plan.preempted and not self._has_prompt_work(plan):
             self._add_drafts(plan)
         return self._emit(plan)
 
@@ -175,22 +174,25 @@ class Scheduler:
         return any(n > 1 for n in plan.num_tokens.values())
 
     def _add_drafts(self, plan: _StepPlan) -> None:
-        """Draft tokens for a decode-only step's requests, within its token budget. Never
-        preempts: drafts are a bet, not a need."""
+        """Draft tokens for a decode-only step's requests, within its token budget, as the
+        drafter chooses them. Never preempts: drafts are a bet, not a need."""
         admitted = {r.request_id for r in plan.new_requests}
+        proposals = {}
         for request in self.running:
-            if plan.budget <= 0:
-                return
             if (plan.num_tokens.get(request.request_id) != 1 or request.request_id in admitted
                     or request.num_tokens - request.num_computed_tokens != 1):
                 continue
             room = min(request.max_tokens - request.num_output_tokens - 1,
                        self.max_model_len - request.num_tokens - 1, plan.budget)
-            drafts = self.proposer.propose(request.request_id, request.all_token_ids, room)
-            blocks = self.kv.allocate(request, 1 + len(drafts)) if drafts else None
-            if blocks is None:
-                continue
-            plan.add_drafts(request, drafts, blocks)
+            drafts = self.drafter.propose(request.request_id, request.all_token_ids, room)
+            if drafts:
+                proposals[request.request_id] = drafts
+        chosen = self.drafter.choose(proposals, len(plan.num_tokens), plan.budget)
+        for request_id, drafts in chosen.items():
+            request = self.requests[request_id]
+            blocks = self.kv.allocate(request, 1 + len(drafts))
+            if blocks is not None:
+                plan.add_drafts(request, drafts, blocks)
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              plan: _StepPlan) -> list[int] | None:
@@ -340,9 +342,13 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            drafts = scheduled.draft_token_ids.get(rid)
-            if drafts:
-                self._take_back_rejected(request, len(drafts), len(token_ids) - 1)
+            num_drafts = len(scheduled.draft_token_ids.get(rid, ()))
+            if num_drafts:
+                # the step computed every draft's position; those after the first rejection
+                # hold keys and values of tokens the request does not have (overwritten later)
+                request.num_computed_tokens -= num_drafts - (len(token_ids) - 1)
+            if self.drafter is not None:
+                self.drafter.record(rid, num_drafts, token_ids)
             kept = []
             for token in token_ids:
                 request.append_token(token)
@@ -360,14 +366,6 @@ class Scheduler:
                 self._release(request)
         return outputs
 
-    def _take_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """The step computed every draft's position; those after the first rejection hold
-        keys and values of tokens the request does not have, to be overwritten later."""
-        assert 0 <= num_accepted <= num_drafts, (request.request_id, num_accepted, num_drafts)
-        request.num_computed_tokens -= num_drafts - num_accepted
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
-
     def _core_output(self, request: Request, kept: list[int], result: RunnerOutput,
                      prompt_logprobs) -> EngineCoreOutput:
         logprobs = result.logprobs.get(request.request_id)
@@ -381,6 +379,6 @@ class Scheduler:
         self.kv.free(request)
         self._dropped_ids.add(request.request_id)
         self._skips.pop(request.request_id, None)
-        if self.proposer is not None:
-            self.proposer.forget(request.request_id)
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
         del self.requests[request.request_id]

@@ -15,6 +15,7 @@ from tokenmill.kv.manager import KVCacheManager
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import EngineCoreOutput, FinishReason, SchedulerOutput
 from tokenmill.request import Request
+from tokenmill.spec.drafter import Drafter
 from tokenmill.spec.ngram import NgramProposer
 from tokenmill.worker.worker import Worker, spec_summary
 
@@ -37,10 +38,11 @@ class EngineCore:
                 f"max_model_len")
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.prefix_cache)
         spec = config.speculative
-        proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                  spec.prompt_lookup_max)
-                    if spec.num_speculative_tokens else None)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, proposer)
+        drafter = (Drafter(NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                         spec.prompt_lookup_max),
+                           adaptive=spec.draft_policy == "adaptive")
+                   if spec.num_speculative_tokens else None)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, drafter)
         self.last_scheduled: SchedulerOutput | None = None
         logger.info("%s", spec_summary(self.worker.spec))
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) = %d tokens; max concurrency "

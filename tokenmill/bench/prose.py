@@ -57,12 +57,14 @@ def prose_prompt(tokenizer: Encoder, rng: random.Random, max_tokens: int) -> str
     def fits(count: int) -> bool:
         return len(tokenizer.encode(task + "".join(window[:count]).rstrip())) <= max_tokens
 
-    while True:   # a paragraph whose first word fits (a long code line may not)
-        start = starts[index % len(starts)]
+    # from the drawn paragraph on, the first whose first word fits (a long code line may not)
+    for offset in range(len(starts)):
+        start = starts[(index + offset) % len(starts)]
         window = [pieces[(start + i) % len(pieces)] for i in range(max_tokens)]
         if fits(1):
             break
-        index += 1
+    else:
+        raise ValueError(f"input length {max_tokens}: no passage of the docs fits")
     low, high = 1, len(window)        # each word is a token or more: find the longest fit
     while low < high:
         middle = (low + high + 1) // 2

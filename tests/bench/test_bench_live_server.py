@@ -131,6 +131,23 @@ def test_the_result_shows_the_servers_drafts(server, tmp_path, capsys):
     assert "server drafts:" in capsys.readouterr().out
 
 
+def test_streamed_greedy_chat_with_drafts_equals_the_engine_without(server, llm):
+    # Drafts make a step stream several tokens at once; the text must not change.
+    from openai import OpenAI
+
+    from tokenmill import SamplingParams
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Count: one two three, one two three, one two"}]
+    kept_before = server.metrics()["tokenmill:spec_decode_num_accepted_tokens_total"]
+    stream = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages,
+                                            max_tokens=48, temperature=0, stream=True)
+    chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=48))[0].outputs[0]
+    assert "".join(chunks) == expected.text
+    assert server.metrics()["tokenmill:spec_decode_num_accepted_tokens_total"] > kept_before
+    assert len([c for c in chunks if c]) < len(expected.token_ids)   # chunks of several tokens
+
+
 def test_a_seed_run_twice_shows_the_servers_prefix_cache(server, tmp_path, capsys):
     # The second run of the same prompts is served from the prefix cache: the result line
     # says so (from the server's own counters), so such a run is not taken for speed.

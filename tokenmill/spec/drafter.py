@@ -11,7 +11,7 @@ taken raises the step's expected tokens per unit of cost. So one stream drafts f
 batch only where drafts are nearly always right. A request whose drafts are all left out
 still learns: its first draft is compared with the token the step then samples.
 
-The fixed policy checks every proposed draft. Pure Python, run by the scheduler.
+The `all` policy checks every proposed draft. Pure Python, run by the scheduler.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class _Record:
 
 
 class Drafter:
+    """The scheduler's side of speculative decoding: proposals, the choice, the record."""
+
     def __init__(self, proposer: Proposer, adaptive: bool = True,
                  fixed_cost_rows: float = FIXED_COST_ROWS) -> None:
         self.proposer = proposer

@@ -156,6 +156,10 @@ class SpecConfig:
     draft_policy: str = _opt("adaptive", "which proposed drafts a step checks: adaptive (those "
                              "whose measured chance of being kept pays for the rows they add "
                              "to the step) or all")
+    draft_fixed_cost: float | None = _opt(None, "a decode step's fixed cost in rows' worth, "
+                                          "which the adaptive policy weighs drafts against "
+                                          "(default: learned from the engine's decode-step "
+                                          "times, starting from 5)")
 
     def __post_init__(self) -> None:
         _require(self.num_speculative_tokens >= 0, "num_speculative_tokens",
@@ -164,6 +168,8 @@ class SpecConfig:
                  f"must be >= 1, got {self.prompt_lookup_min}")
         _require(self.draft_policy in ("adaptive", "all"), "draft_policy",
                  f"must be 'adaptive' or 'all', got {self.draft_policy!r}")
+        _require(self.draft_fixed_cost is None or self.draft_fixed_cost >= 0,
+                 "draft_fixed_cost", f"must be >= 0, got {self.draft_fixed_cost}")
         _require(self.prompt_lookup_max >= self.prompt_lookup_min, "prompt_lookup_max",
                  f"must be >= prompt_lookup_min ({self.prompt_lookup_min}), got "
                  f"{self.prompt_lookup_max}")

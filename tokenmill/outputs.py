@@ -59,6 +59,13 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
 
+    @property
+    def is_decode_only(self) -> bool:
+        """Every request computes its one new token (and its drafts): no prompt work."""
+        return (not self.is_empty and not self.new_requests
+                and all(n == 1 + len(self.draft_token_ids.get(rid, ()))
+                        for rid, n in self.num_scheduled_tokens.items()))
+
 
 # ---- worker -> scheduler -------------------------------------------------------------------
 

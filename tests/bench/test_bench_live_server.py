@@ -129,6 +129,8 @@ def test_the_result_shows_the_servers_drafts(server, tmp_path, capsys):
     assert 0 < drafts["accepted"] <= drafts["drafts"], drafts
     assert drafts["acceptance_rate"] == drafts["accepted"] / drafts["drafts"]
     assert "server drafts:" in capsys.readouterr().out
+    # the fixed step cost the adaptive policy measured at start-up, exported
+    assert 0 < server.metrics()["tokenmill:spec_decode_step_fixed_rows"] < 100
 
 
 def test_streamed_greedy_chat_with_drafts_equals_the_engine_without(server, llm):

@@ -71,6 +71,8 @@ def test_engine_options_name_the_field():
         LLM(max_num_seqs=0)
     with pytest.raises(ValueError, match=r"^kv_cache_mb: unknown engine option"):
         LLM(kv_cache_mb=3)
+    with pytest.raises(ValueError, match=r"^draft_fixed_cost: must be >= 0"):
+        LLM(num_speculative_tokens=3, draft_fixed_cost=-1.0)
 
 
 def test_a_failed_step_errors_only_its_requests(llm, monkeypatch):

@@ -39,6 +39,18 @@ def drafts_checked(llm) -> tuple[int, int]:
     return stats.spec_draft_tokens, stats.spec_accepted_tokens
 
 
+def test_the_step_cost_is_measured_at_start_and_leaves_no_trace(make_llm):
+    # first in the module: this engine has served nothing yet
+    llm = make_llm(num_speculative_tokens=3)     # draft_policy: adaptive, the default
+    stats = llm.engine.stats()
+    # on a CPU, 16 rows take well over one row's time: F is a few rows, not "free"
+    assert 0 < stats.spec_step_fixed_rows < 100, stats.spec_step_fixed_rows
+    assert (stats.prefix_cache_queries, stats.num_preemptions, stats.spec_draft_tokens) == (0, 0, 0)
+    kv = llm.engine.core.kv
+    assert kv.tree.num_cached_blocks == 0 and kv.pool.num_free == kv.num_blocks
+    assert not llm.engine.core.worker.runner.requests
+
+
 def test_greedy_output_is_unchanged_and_drafts_pay(spec_llm, without_drafts):
     drafted, accepted = drafts_checked(spec_llm)
     assert token_ids(spec_llm.generate(PROMPTS, GREEDY)) == without_drafts
@@ -78,11 +90,14 @@ def test_greedy_matches_transformers_with_drafts(spec_llm, hf_oracle):
     dict(max_num_batched_tokens=24, max_prefill_chunk=7, unchunked_prefill_min=0),
     dict(num_kv_blocks=24, max_model_len=256),
     dict(prefix_cache=False, prompt_lookup_min=1, num_speculative_tokens=5),
-], ids=["chunked", "preempted", "no-prefix-cache-k5"])
+    dict(draft_policy="adaptive", draft_fixed_cost=40.0),
+], ids=["chunked", "preempted", "no-prefix-cache-k5", "adaptive-fixed-cost"])
 def test_greedy_output_is_unchanged_under_other_switches(make_llm, without_drafts, options):
     llm = make_llm(**{**SPEC, **options})
     before = llm.engine.stats().num_preemptions
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == without_drafts
+    if "draft_fixed_cost" in options:   # given, not measured
+        assert llm.engine.stats().spec_step_fixed_rows == options["draft_fixed_cost"]
     if "num_kv_blocks" in options:
         assert llm.engine.stats().num_preemptions > before, "no preemption was forced"
     assert drafts_checked(llm)[1] > 0

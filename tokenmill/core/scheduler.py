@@ -123,7 +123,8 @@ class Scheduler:
             prefix_cache_evicted_blocks=prefix.evicted_blocks,
             prefix_cache_blocks=self.kv.tree.num_cached_blocks,
             spec_draft_tokens=self.drafter.num_draft_tokens if self.drafter else 0,
-            spec_accepted_tokens=self.drafter.num_accepted_tokens if self.drafter else 0)
+            spec_accepted_tokens=self.drafter.num_accepted_tokens if self.drafter else 0,
+            spec_step_fixed_rows=self.drafter.fixed_cost_rows if self.drafter else 0.0)
 
     # ---- scheduling ----------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.engine.calibration import measure_fixed_rows
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import EngineCoreOutput, FinishReason, SchedulerOutput
@@ -36,19 +37,38 @@ class EngineCore:
                 f"kv_cache_memory: {num_blocks} blocks hold {capacity} tokens, fewer than "
                 f"max_model_len {self.max_model_len}; give the KV cache more memory or lower "
                 f"max_model_len")
-        self.kv = KVCacheManager(num_blocks, block_size, config.cache.prefix_cache)
-        spec = config.speculative
-        drafter = (Drafter(NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                         spec.prompt_lookup_max),
-                           adaptive=spec.draft_policy == "adaptive")
-                   if spec.num_speculative_tokens else None)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, drafter)
         self.last_scheduled: SchedulerOutput | None = None
+        self._new_books()
+        drafter = self._drafter() if config.speculative.num_speculative_tokens else None
+        if drafter is not None:
+            self._new_books(drafter)   # the step timing's requests leave no trace
         logger.info("%s", spec_summary(self.worker.spec))
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) = %d tokens; max concurrency "
                     "at max_model_len %d: %.1fx", num_blocks, block_size,
                     num_blocks * self.worker.bytes_per_block / 1024 ** 3, capacity,
                     self.max_model_len, capacity / self.max_model_len)
+
+    def _new_books(self, drafter: Drafter | None = None) -> None:
+        num_blocks = self.worker.num_kv_blocks
+        self.kv = KVCacheManager(num_blocks, self.config.cache.block_size,
+                                 self.config.cache.prefix_cache)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len, drafter)
+
+    def _drafter(self) -> Drafter:
+        spec = self.config.speculative
+        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                 spec.prompt_lookup_max)
+        drafter = Drafter(proposer, adaptive=spec.draft_policy == "adaptive")
+        if spec.draft_fixed_cost is not None:
+            drafter.fixed_cost_rows = spec.draft_fixed_cost
+        elif drafter.adaptive:
+            measured = measure_fixed_rows(self)
+            if measured is not None:
+                drafter.fixed_cost_rows = measured
+            logger.info("draft policy: a decode step's fixed cost is %.1f rows' worth (%s)",
+                        drafter.fixed_cost_rows, "measured" if measured is not None else
+                        "the default: too little room to measure it")
+        return drafter
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

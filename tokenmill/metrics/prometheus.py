@@ -36,6 +36,9 @@ class PrometheusStatLogger:
                                  "Requests waiting to be scheduled", **labels),
             "kv_cache_usage": Gauge("tokenmill:kv_cache_usage_perc",
                                     "Fraction of KV blocks held by requests (0-1)", **labels),
+            "spec_step_fixed_rows": Gauge("tokenmill:spec_decode_step_fixed_rows",
+                                          "A decode step's fixed cost in rows' worth, as the "
+                                          "draft policy weighs it (0 without drafts)", **labels),
         }
         # Counters that mirror running totals kept by the scheduler.
         self._totals = {

@@ -17,6 +17,8 @@ class SchedulerStats:
     prefix_cache_blocks: int = 0         # blocks currently cached in the tree
     spec_draft_tokens: int = 0           # draft tokens checked by the model, total
     spec_accepted_tokens: int = 0        # of those, the sampler's own choice (kept)
+    spec_step_fixed_rows: float = 0.0    # a decode step's fixed cost in rows, as the draft
+                                         # policy weighs it (0 without drafts)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -2,7 +2,8 @@
 
 A draft is one more row in a decode step. A step of d decoding rows costs about F + d rows'
 worth (F, the fixed part: the weights streamed and rebuilt, ~5 rows for SmolLM2 on a 2-core
-CPU), so it yields d tokens for F + d. A draft yields a token only if it and the drafts before
+CPU, far more on a GPU; the engine times it at start-up, engine/calibration.py), so it
+yields d tokens for F + d. A draft yields a token only if it and the drafts before
 it are all kept. The adaptive policy estimates for each request the chance that a draft is
 kept when the one before it was (its own recent record, shrunk toward the record of all
 requests), gives the j-th draft the chance p^j, and adds drafts to the step in order of that
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-FIXED_COST_ROWS = 5.0    # a decode step's fixed cost in rows' worth (see above)
+FIXED_COST_ROWS = 5.0    # a decode step's fixed cost in rows' worth, until measured
 _PRIOR = 0.7             # the chance of a kept draft before anything is known
 _PRIOR_WEIGHT = 2.0      # trials' worth of that prior in the overall record, and of the
                          # overall record in a request's own

@@ -24,7 +24,9 @@ from __future__ import annotations
 import time
 
 from tokenmill.config import SchedulerConfig
+from tokenmill.core.admission import AdmissionOrder, prefix_in_flight
 from tokenmill.core.queue import WaitingQueue
+from tokenmill.core.step_plan import StepPlan
 from tokenmill.kv.manager import NO_MATCH, KVCacheManager
 from tokenmill.metrics.stats import SchedulerStats
 from tokenmill.outputs import (CachedRequestData, EngineCoreOutput, FinishReason, NewRequestData,
@@ -33,43 +35,8 @@ from tokenmill.request import Request, RequestStatus
 from tokenmill.spec.drafter import Drafter
 
 
-_LPM_MAX_QUEUE = 128   # longer queues: FCFS, sorting by prefix would cost more than it saves
-_LPM_MAX_SKIPS = 32    # a request passed over this often by later arrivals goes first
-
-
 def _is_prefilling(request: Request) -> bool:
     return request.num_tokens - request.num_computed_tokens > 1
-
-
-class _StepPlan:
-    """What one schedule() call has decided so far."""
-
-    def __init__(self, budget: int, chunk_cap: int) -> None:
-        self.budget = budget
-        self.chunk_cap = chunk_cap
-        self.num_tokens: dict[str, int] = {}
-        self.new_blocks: dict[str, list[int]] = {}
-        self.new_requests: list[Request] = []
-        self.preempted: list[Request] = []
-        self.drafts: dict[str, list[int]] = {}
-
-    def add(self, request: Request, num_tokens: int, blocks: list[int]) -> None:
-        self.num_tokens[request.request_id] = num_tokens
-        self.new_blocks[request.request_id] = blocks
-        self.budget -= num_tokens
-
-    def add_drafts(self, request: Request, drafts: list[int], blocks: list[int]) -> None:
-        """A scheduled decode also checks `drafts` (with `blocks` for them)."""
-        self.num_tokens[request.request_id] += len(drafts)
-        self.new_blocks[request.request_id].extend(blocks)
-        self.drafts[request.request_id] = drafts
-        self.budget -= len(drafts)
-
-    def drop(self, request: Request) -> None:
-        num = self.num_tokens.pop(request.request_id, 0)
-        self.new_blocks.pop(request.request_id, None)
-        self.drafts.pop(request.request_id, None)
-        self.budget += num
 
 
 class Scheduler:
@@ -84,7 +51,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._dropped_ids: set[str] = set()   # the worker must forget these at the next step
-        self._skips: dict[str, int] = {}      # LPM: times later arrivals were admitted first
+        self.admission = AdmissionOrder(config.policy, kv)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -129,11 +96,13 @@ class Scheduler:
     # ---- scheduling ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(*self._step_limits())
+        plan = StepPlan(*self._step_limits())
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
-        if self.drafter is not None and not plan.preempted and not self._has_prompt_work(plan):
+        # No drafts beside prompt work: they would lengthen a step that a prompt's first
+        # token waits for, and the prompt's rows keep that step busy enough anyway.
+        if self.drafter is not None and not plan.preempted and not plan.has_prompt_work:
             self._add_drafts(plan)
         return self._emit(plan)
 
@@ -147,14 +116,14 @@ class Scheduler:
             return budget, config.chunk_cap
         return budget, min(config.max_prefill_chunk or budget, budget)
 
-    def _chunk(self, request: Request, plan: _StepPlan) -> int:
+    def _chunk(self, request: Request, plan: StepPlan) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
         whole_from = self.config.unchunked_prefill_min
         if whole_from and remaining >= whole_from:
             return remaining   # past the budget: the step ends with this request
         return min(remaining, plan.chunk_cap, plan.budget)
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         # Decodes first: a prompt admitted in an idle step may still be prefilling when
         # requests admitted with it already decode, and its chunk must not starve them.
         for request in sorted(self.running, key=_is_prefilling):
@@ -169,12 +138,7 @@ class Scheduler:
             if blocks is not None:
                 plan.add(request, num_new, blocks)
 
-    def _has_prompt_work(self, plan: _StepPlan) -> bool:
-        """Drafts would lengthen a step that a prompt's first token waits for (TTFT), and a
-        prompt's rows keep the step busy enough that they would save little."""
-        return any(n > 1 for n in plan.num_tokens.values())
-
-    def _add_drafts(self, plan: _StepPlan) -> None:
+    def _add_drafts(self, plan: StepPlan) -> None:
         """Draft tokens for a decode-only step's requests, within its token budget, as the
         drafter chooses them. Never preempts: drafts are a bet, not a need."""
         admitted = {r.request_id for r in plan.new_requests}
@@ -196,7 +160,7 @@ class Scheduler:
                 plan.add_drafts(request, drafts, blocks)
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
-                             plan: _StepPlan) -> list[int] | None:
+                             plan: StepPlan) -> list[int] | None:
         while True:
             blocks = self.kv.allocate(request, num_new)
             if blocks is not None:
@@ -212,7 +176,7 @@ class Scheduler:
         priority = request.priority if self.config.policy == "priority" else 0
         return (priority, request.arrival_time)
 
-    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)
         plan.drop(request)
         self.kv.commit(request)
@@ -225,51 +189,17 @@ class Scheduler:
         self._dropped_ids.add(request.request_id)
         plan.preempted.append(request)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
-        order = self._waiting_order()
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        order = self.admission.order(self.waiting)
         for position, request in enumerate(order):
             if plan.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if self._waits_for_source(request) or self._prefix_in_flight(request):
+            if (self._waits_for_source(request)
+                    or prefix_in_flight(self.kv, request, self.running)):
                 continue
             if not self._admit(request, plan) and not self._preempt_for(request, plan):
                 return
-            self._count_skips(order[:position], request)
-
-    def _waiting_order(self) -> list[Request]:
-        """LPM: longest cached prefix first (stable, so ties keep arrival order); requests
-        passed over too often go first; past a queue length, plain FCFS (cheaper)."""
-        queue = list(self.waiting)
-        if self.config.policy != "lpm" or len(queue) > _LPM_MAX_QUEUE or not self.kv.prefix_cache:
-            return queue
-        starving = [r for r in queue if self._skips.get(r.request_id, 0) >= _LPM_MAX_SKIPS]
-        rest = [r for r in queue if self._skips.get(r.request_id, 0) < _LPM_MAX_SKIPS]
-        rest.sort(key=lambda r: -self.kv.num_cached_tokens(r))
-        return starving + rest
-
-    def _count_skips(self, ahead: list[Request], admitted: Request) -> None:
-        self._skips.pop(admitted.request_id, None)
-        if self.config.policy == "lpm":
-            for request in ahead:
-                if request.arrival_time <= admitted.arrival_time and request in self.waiting:
-                    self._skips[request.request_id] = self._skips.get(request.request_id, 0) + 1
-
-    def _prefix_in_flight(self, request: Request) -> bool:
-        """A running request is computing this prompt's next uncached block right now: wait a
-        step or two for it to land in the cache rather than compute it twice."""
-        if not self.kv.prefix_cache:
-            return False
-        start = self.kv.num_cached_tokens(request)
-        end = start + self.kv.block_size
-        if end >= request.num_tokens:
-            return False
-        block = request.all_token_ids[start:end]
-        return any(other.num_computed_tokens < end <= other.num_tokens
-                   and other.cache_salt == request.cache_salt
-                   and other.all_token_ids[start:end] == block
-                   and other.all_token_ids[:self.kv.block_size]
-                   == request.all_token_ids[:self.kv.block_size]
-                   for other in self.running)
+            self.admission.admitted(request, [r for r in order[:position] if r in self.waiting])
 
     def _waits_for_source(self, request: Request) -> bool:
         """An n > 1 sibling waits until the prompt it shares has been computed once."""
@@ -277,7 +207,7 @@ class Scheduler:
         return (source is not None and not source.is_finished
                 and source.num_computed_tokens < source.num_prompt_tokens)
 
-    def _admit(self, request: Request, plan: _StepPlan) -> bool:
+    def _admit(self, request: Request, plan: StepPlan) -> bool:
         source = self.requests.get(request.prompt_source_id or "")
         match = self.kv.lookup(request, source) if source or self.kv.prefix_cache else NO_MATCH
         num_cached = match.num_tokens(self.kv.block_size)
@@ -300,7 +230,7 @@ class Scheduler:
         plan.new_requests.append(request)
         return True
 
-    def _preempt_for(self, request: Request, plan: _StepPlan) -> bool:
+    def _preempt_for(self, request: Request, plan: StepPlan) -> bool:
         """Priority policy: a waiting request may take the blocks of lower-priority runners."""
         if self.config.policy != "priority":
             return False
@@ -312,7 +242,7 @@ class Scheduler:
             if self._admit(request, plan):
                 return True
 
-    def _emit(self, plan: _StepPlan) -> SchedulerOutput:
+    def _emit(self, plan: StepPlan) -> SchedulerOutput:
         new_ids = {r.request_id for r in plan.new_requests}
         new_data, cached_data = [], []
         for request in self.running:
@@ -379,7 +309,7 @@ class Scheduler:
         self.kv.commit(request)
         self.kv.free(request)
         self._dropped_ids.add(request.request_id)
-        self._skips.pop(request.request_id, None)
+        self.admission.forget(request.request_id)
         if self.drafter is not None:
             self.drafter.forget(request.request_id)
         del self.requests[request.request_id]

@@ -6,7 +6,7 @@ they come cannot give it: their row counts and context lengths rise and fall tog
 steps vary by more than a row's cost. So before the engine serves, it runs a small controlled
 experiment: decode steps of one request and of `MANY` requests over the same shared
 `CONTEXT`-token prompt (computed once, then found in the prefix cache), without drafts, and
-fits F from the two medians. It takes about a second on a 2-core CPU.
+fits F from the fastest step at each count. It takes about a second on a 2-core CPU.
 """
 
 from __future__ import annotations

@@ -90,12 +90,13 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    # 512. On the AVX2 machine 256 had run its GEMMs as efficiently as 512 and halved the
-    # stalls a long prompt's chunks put on running streams; since unchunked_prefill_min takes
-    # such a prompt in one step, that reason is gone. On an AVX-512 Xeon, interleaved rounds
-    # against 256 (medians of 3 seeds): random 199.0 against 191.0 tok/s, TTFT p50 0.57 / 0.69 s,
-    # p99 3.65 / 4.21 s; long_interference streams' ITL p99 41 / 50 ms (fewer start-up steps).
-    max_num_batched_tokens: int = _opt(512, "token budget of one engine step (prefill chunks + "
+    # 2048, with a 512-token idle step (below), since the twenty-third session. On the 2-core
+    # Ice Lake a burst of 16 prompts (random's first wave, offline) got its last first token
+    # 10-17% sooner in 2048-token steps than in 512-token ones; served, against the 512 budget
+    # alone, random's TTFT p99 was lower on all seven seeds (0.70-0.94x), tok/s mostly higher
+    # and p50 about the same (docs/benchmarks.md section 4). Earlier: 512 over 256 on an
+    # AVX-512 Xeon (random 199.0 against 191.0 tok/s, TTFT p99 3.65 / 4.21 s).
+    max_num_batched_tokens: int = _opt(2048, "token budget of one engine step (prefill chunks + "
                                        "decodes); only a prompt of unchunked_prefill_min "
                                        "tokens or more may exceed it")
     max_num_seqs: int = _opt(64, "most requests running at once")
@@ -110,11 +111,13 @@ class SchedulerConfig:
                                       "left to compute in one step, past the token budget: "
                                       "running streams stall once for it instead of once per "
                                       "chunk (0: chunk every prompt)")
-    # Off by default. Larger than the budget (seventh session, 2048 over 256): random's TTFT
-    # p50 1.22 -> 2.71 s, tok/s 150 -> 139. Smaller (fourteenth session, 512 under a 2048
-    # budget, 8 seeds against vLLM): random's TTFT p99 1.025x (512 alone: 1.09x), p50 0.97x
-    # (0.81x), worst stall 1.7-1.9 s (0.5-0.6 s); the other workloads unchanged.
-    idle_batched_tokens: int = _opt(0, "token budget of a step in which no running request "
+    # 512 under the 2048 budget: the first step of a burst stays short, so the head of the
+    # queue answers as soon as with a 512 budget, and the rest of the burst shares larger,
+    # faster steps. Larger than the budget (seventh session, 2048 over 256): random's TTFT
+    # p50 1.22 -> 2.71 s, tok/s 150 -> 139. Fourteenth session (512 under 2048 against 512
+    # alone, AVX-512 Xeon, 8 seeds against vLLM): TTFT p99 1.025x (1.09x), p50 0.97x (0.81x),
+    # worst stall 1.7-1.9 s (0.5-0.6 s), as vLLM's; the other workloads unchanged.
+    idle_batched_tokens: int = _opt(512, "token budget of a step in which no running request "
                                     "has output yet: larger, prompts arriving together share "
                                     "a step; smaller, the first of a burst answers sooner and "
                                     "the rest take max_num_batched_tokens once a request "

@@ -384,7 +384,7 @@ def test_drafts_wait_while_a_prompt_is_computed():
 
 def test_drafts_never_pass_max_tokens_or_the_budget():
     h = Harness(proposer=ScriptedProposer(num_tokens=8, wrong_every=1000),
-                max_num_batched_tokens=6, max_model_len=40)
+                max_num_batched_tokens=6, idle_batched_tokens=0, max_model_len=40)
     h.add(make_request("a", prompt(1, 4), 9, 0.0), make_request("b", prompt(2, 30), 10, 0.1))
     h.run()                               # the harness checks each step's drafts
     assert all(out.total_num_scheduled_tokens <= 6 for out in h.scheduled)

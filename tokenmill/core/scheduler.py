@@ -6,8 +6,9 @@ requests are admitted while budget, `max_num_seqs` and KV blocks allow. When blo
 the lowest-priority, latest-arrived running request is preempted: its blocks are freed (its
 full blocks stay in the prefix cache) and it is recomputed from its tokens when it resumes.
 With `unchunked_prefill_min`, a prompt with that many tokens left is computed in one step,
-whatever the budget. With `idle_batched_tokens` (off by default), a step in which no running
-request has output yet takes that budget (and chunk cap, unless `max_prefill_chunk` is set).
+whatever the budget. With `idle_batched_tokens` (by default 512 under a budget of 2048), a
+step in which no running request has output yet takes that budget (and chunk cap, unless
+`max_prefill_chunk` is set).
 Larger than the budget, prompts that arrive together share one step; smaller, the first step
 of a burst is short, so the head of the queue answers soon, and once it streams the rest of
 the burst goes in steps of the full budget. With a drafter (speculative decoding), a

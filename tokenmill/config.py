@@ -161,8 +161,8 @@ class SpecConfig:
                              "to the step) or all")
     draft_fixed_cost: float | None = _opt(None, "a decode step's fixed cost in rows' worth, "
                                           "which the adaptive policy weighs drafts against "
-                                          "(default: learned from the engine's decode-step "
-                                          "times, starting from 5)")
+                                          "(default: timed at start-up, about a second; 5 "
+                                          "where the KV cache or limits leave no room)")
 
     def __post_init__(self) -> None:
         _require(self.num_speculative_tokens >= 0, "num_speculative_tokens",

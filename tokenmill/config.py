@@ -94,7 +94,8 @@ class SchedulerConfig:
     # Ice Lake a burst of 16 prompts (random's first wave, offline) got its last first token
     # 10-17% sooner in 2048-token steps than in 512-token ones; served, against the 512 budget
     # alone, random's TTFT p99 was lower on all seven seeds (0.70-0.94x), tok/s mostly higher
-    # and p50 about the same (docs/benchmarks.md section 4). Earlier: 512 over 256 on an
+    # and p50 about the same; prose's TTFT p50 rose from ~0.5x to ~0.9x of vLLM's (a new
+    # prompt waits for a longer step) (docs/benchmarks.md section 4). Earlier: 512 over 256 on an
     # AVX-512 Xeon (random 199.0 against 191.0 tok/s, TTFT p99 3.65 / 4.21 s).
     max_num_batched_tokens: int = _opt(2048, "token budget of one engine step (prefill chunks + "
                                        "decodes); only a prompt of unchunked_prefill_min "

@@ -9,6 +9,7 @@ import pytest
 from tests.helpers.oracle import assert_kv_clean, hf_greedy
 from tokenmill import SamplingParams
 from tokenmill.outputs import FinishReason
+from tokenmill.spec.drafter import FIXED_COST_ROWS
 
 # Every proposed draft checked: the tests below are about the mechanism; the adaptive policy
 # (which drafts pay) has its own test.
@@ -43,7 +44,9 @@ def test_the_step_cost_is_measured_at_start_and_leaves_no_trace(make_llm):
     # first in the module: this engine has served nothing yet
     llm = make_llm(num_speculative_tokens=3)     # draft_policy: adaptive, the default
     stats = llm.engine.stats()
-    # on a CPU, 16 rows take well over one row's time: F is a few rows, not "free"
+    # measured, not the default; on a CPU 16 rows take well over one row's time: F is a few
+    # rows, not "free"
+    assert stats.spec_step_fixed_rows != FIXED_COST_ROWS
     assert 0 < stats.spec_step_fixed_rows < 100, stats.spec_step_fixed_rows
     assert (stats.prefix_cache_queries, stats.num_preemptions, stats.spec_draft_tokens) == (0, 0, 0)
     kv = llm.engine.core.kv

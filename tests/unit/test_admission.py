@@ -42,11 +42,13 @@ def test_a_request_passed_over_too_often_goes_first():
     queue = _queue()
     cold, warm, hot, cold2 = queue
     for _ in range(MAX_SKIPS - 1):
-        admission.admitted(hot, [cold, warm, cold2])   # cold2 arrived after hot: no skip
+        admission.admitted(hot, [cold, warm, cold2], queue)   # cold2 arrived after hot: no skip
     assert admission.order(queue)[0] is hot
-    admission.admitted(hot, [cold, warm, cold2])
+    admission.admitted(hot, [cold, warm, cold2], [])   # none still waiting: no skip
+    assert admission.order(queue)[0] is hot
+    admission.admitted(hot, [cold, warm, cold2], queue)
     assert [r.request_id for r in admission.order(queue)] == ["cold", "warm", "hot", "cold2"]
-    admission.admitted(cold, [warm])
+    admission.admitted(cold, [warm], queue)
     admission.forget("warm")
     assert [r.request_id for r in admission.order(queue)] == ["hot", "warm", "cold", "cold2"]
 

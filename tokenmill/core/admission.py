@@ -12,7 +12,7 @@ Pure Python over requests and the KV manager's lookups.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from tokenmill.kv.manager import KVCacheManager
 from tokenmill.request import Request
@@ -37,14 +37,16 @@ class AdmissionOrder:
         rest.sort(key=lambda r: -self.kv.num_cached_tokens(r))   # stable: ties by arrival
         return starving + rest
 
-    def admitted(self, request: Request, passed_over: Iterable[Request]) -> None:
-        """`request` was admitted ahead of `passed_over` (still waiting); earlier arrivals
-        among them count a skip."""
+    def admitted(self, request: Request, ahead: Iterable[Request],
+                 waiting: Container[Request]) -> None:
+        """`request` was admitted after trying `ahead`; those still `waiting` that arrived
+        no later than it count a skip."""
         self._skips.pop(request.request_id, None)
-        if self.policy == "lpm":
-            for other in passed_over:
-                if other.arrival_time <= request.arrival_time:
-                    self._skips[other.request_id] = self._skips.get(other.request_id, 0) + 1
+        if self.policy != "lpm":
+            return
+        for other in ahead:
+            if other.arrival_time <= request.arrival_time and other in waiting:
+                self._skips[other.request_id] = self._skips.get(other.request_id, 0) + 1
 
     def forget(self, request_id: str) -> None:
         self._skips.pop(request_id, None)

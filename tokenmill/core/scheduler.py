@@ -200,7 +200,7 @@ class Scheduler:
                 continue
             if not self._admit(request, plan) and not self._preempt_for(request, plan):
                 return
-            self.admission.admitted(request, [r for r in order[:position] if r in self.waiting])
+            self.admission.admitted(request, order[:position], self.waiting)
 
     def _waits_for_source(self, request: Request) -> bool:
         """An n > 1 sibling waits until the prompt it shares has been computed once."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 
@@ -69,10 +70,10 @@ def tokenizer(default_model):
     return HFTextTokenizer(default_model.tokenizer_dir)
 
 
-def _bench(url: str, tokenizer, workload: str = "random", **sizes) -> dict:
+def _bench(url: str, tokenizer, workload: str = "random", requests_file=None, **sizes) -> dict:
     sizes = {"num_requests": 3, "input_len": (8, 8), "output_len": (4, 4), **sizes}
     settings = BenchSettings(url, workload, model="m", concurrency=2, timeout_s=10,
-                             sizes=WorkloadArgs(**sizes))
+                             sizes=WorkloadArgs(**sizes), requests_file=requests_file)
     return run_bench(settings, tokenizer)
 
 
@@ -87,14 +88,23 @@ def test_misbehaving_server_counts_failures(mode, tokenizer):
     assert result["errors"], result
 
 
-def test_failed_turn_fails_the_rest_of_its_conversation(tokenizer):
+def test_failed_turn_fails_the_rest_of_its_conversation(tokenizer, tmp_path):
     server = FakeServer(REPLIES["500"])
     try:
-        result = _bench(server.url, tokenizer, "multiturn", num_requests=2, num_turns=3)
+        result = _bench(server.url, tokenizer, "multiturn", tmp_path / "requests.jsonl",
+                        num_requests=2, num_turns=3)
     finally:
         server.stop()
     assert (result["num_ok"], result["num_failed"]) == (0, 6)
     assert any("HTTP 500" in e for e in result["errors"])
+    # per request: each conversation's first turn was sent and failed, the rest never sent
+    lines = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert sorted((d["session"], d["turn"]) for d in lines) == \
+        [(s, t) for s in range(2) for t in range(3)]
+    assert all(d["status"] == "failed" for d in lines)
+    for d in lines:
+        assert (d["start_ms"] is None) == (d["turn"] > 0), d
+        assert "HTTP 500" in d["error"] if d["turn"] == 0 else "earlier turn" in d["error"]
 
 
 def _closed_port_url() -> str:

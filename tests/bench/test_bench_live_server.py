@@ -68,6 +68,29 @@ def test_workload(server, tmp_path, workload):
         assert result["input_tokens"] == 4 * (64 + 8)
 
 
+def test_per_request_lines_agree_with_the_summary(server, tmp_path):
+    details = tmp_path / "requests.jsonl"
+    flags = ["--workload", "multiturn", "--num-requests", "2", "--num-turns", "2",
+             "--input-len", "12", "--output-len", "6", "--label", "m", "--seed", "7"]
+    [result] = _bench(server, tmp_path, *flags, "--save-requests", str(details))
+    _check(result, 4)
+    lines = [json.loads(line) for line in details.read_text().splitlines()]
+    assert len(lines) == 4                                    # the warm-up is not written
+    assert {(d["session"], d["turn"]) for d in lines} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    for d in lines:
+        assert (d["label"], d["workload"], d["seed"], d["status"]) == ("m", "multiturn", 7, "ok")
+        assert d["output_tokens"] == 6 and len(d["itl_ms"]) >= 1
+        assert 0 < d["ttft_ms"] <= d["e2e_ms"]
+        assert d["ttft_ms"] + sum(d["itl_ms"]) == pytest.approx(d["e2e_ms"], abs=50)
+    first = {d["session"]: d for d in lines if d["turn"] == 0}
+    for d in lines:                        # a turn is sent once the one before has ended
+        if d["turn"] == 1:
+            assert d["start_ms"] >= first[d["session"]]["start_ms"] + first[d["session"]]["e2e_ms"]
+    ttfts = sorted(d["ttft_ms"] for d in lines)
+    assert result["ttft_ms"]["p50"] == pytest.approx((ttfts[1] + ttfts[2]) / 2, abs=0.01)
+    assert result["ttft_ms"]["max"] == pytest.approx(ttfts[-1], abs=0.01)
+
+
 def test_long_interference(server, tmp_path):
     [result] = _bench(server, tmp_path, "--workload", "long_interference", "--num-requests",
                       "2", "--input-len", "16", "--output-len", "24", "--long-len", "600")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.bench.metrics import (RequestRecord, distribution, itls, meets_slo, percentile,
-                                     summarize, tpot)
+                                     request_detail, summarize, tpot)
 from tokenmill.bench.report import compare_table, format_table
 
 
@@ -41,6 +41,25 @@ def test_tpot_and_itl():
     assert tpot(r) == pytest.approx(0.6 / 3)
     assert itls(r) == pytest.approx([0.1, 0.2, 0.3])
     assert tpot(_record(0.0, 0.5, [], tokens=1)) is None
+
+
+def test_a_request_detail_has_its_own_figures_in_ms():
+    r = _record(start=10.0, first=10.5, chunk_gaps=[0.1, 0.2, 0.3], tokens=4)
+    r.session, r.turn = 3, 1
+    d = request_detail(r, t0=9.0)
+    assert (d["session"], d["turn"], d["group"], d["status"], d["error"]) == \
+        (3, 1, "main", "ok", None)
+    assert d["start_ms"] == pytest.approx(1000) and d["ttft_ms"] == pytest.approx(500)
+    assert d["e2e_ms"] == pytest.approx(1100) and d["tpot_ms"] == pytest.approx(200)
+    assert d["itl_ms"] == pytest.approx([100, 200, 300])
+    assert (d["input_tokens"], d["output_tokens"]) == (12, 4)
+    failed = request_detail(RequestRecord(start=9.5, end=9.6, error="HTTP 500: boom"), 9.0)
+    assert failed["status"] == "failed" and failed["error"] == "HTTP 500: boom"
+    assert failed["ttft_ms"] is None and failed["itl_ms"] == []
+    skipped = request_detail(RequestRecord(error="skipped: an earlier turn failed"), 9.0)
+    assert skipped["start_ms"] is None                      # never sent
+    cut = request_detail(RequestRecord(start=9.5, end=9.9, cancelled=True), 9.0)
+    assert cut["status"] == "cancelled" and cut["error"] is None
 
 
 def test_summarize_throughput_latencies_and_failures():

@@ -29,6 +29,8 @@ class RequestRecord:
     text: str = ""
     error: str | None = None
     cancelled: bool = False        # cut off by --max-duration: neither ok nor failed
+    session: int = 0               # the plan's session (conversation) index
+    turn: int = 0                  # the turn within it
 
     @property
     def ok(self) -> bool:
@@ -72,6 +74,25 @@ def tpot(record: RequestRecord) -> float | None:
 def itls(record: RequestRecord) -> list[float]:
     times = record.chunk_times
     return [b - a for a, b in zip(times, times[1:])]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+def request_detail(record: RequestRecord, t0: float) -> dict:
+    """One request's own figures, for a per-request file; times in ms, `start_ms` from t0."""
+    status = "cancelled" if record.cancelled else "failed" if record.error else "ok"
+    return {
+        "session": record.session, "turn": record.turn, "group": record.group,
+        "status": status, "error": None if record.cancelled else record.error,
+        "start_ms": None if record.end is None else _ms(record.start - t0),   # None: not sent
+        "input_tokens": record.prompt_tokens if record.prompt_tokens is not None
+        else record.input_len,
+        "output_tokens": record.output_tokens,
+        "ttft_ms": _ms(ttft(record)), "tpot_ms": _ms(tpot(record)), "e2e_ms": _ms(e2e(record)),
+        "itl_ms": [_ms(gap) for gap in itls(record)],
+    }
 
 
 def _present(values) -> list[float]:

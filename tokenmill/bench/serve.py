@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from tokenmill.bench.client import make_http_client, request_body, served_model, stream_request
-from tokenmill.bench.metrics import RequestRecord, summarize
+from tokenmill.bench.metrics import RequestRecord, request_detail, summarize
 from tokenmill.bench.server_counters import PREFIX_CACHE, SPEC_DECODE, read_counters, run_share
 from tokenmill.bench.workloads import (Plan, Session, TextTokenizer, Turn, WorkloadArgs,
                                        build_plan)
@@ -41,6 +42,7 @@ class BenchSettings:
     timeout_s: float = 900.0
     sizes: WorkloadArgs = field(default_factory=WorkloadArgs)
     extra: dict = field(default_factory=dict)  # recorded with the result (e.g. a sweep id)
+    requests_file: Path | None = None    # append one JSON line per measured request here
 
 
 class _Run:
@@ -51,6 +53,7 @@ class _Run:
         self.settings, self.plan, self.model, self.http = settings, plan, model, http
         self.endpoint = "chat" if plan.chat_history else plan.endpoint or settings.endpoint
         self.records: list[RequestRecord] = []
+        self.t0 = 0.0                      # perf_counter at the start of run()
         limit = effective_concurrency(settings, plan)
         self.limit = asyncio.Semaphore(limit) if limit else None
         # Sessions that wait start once all the others have a first token (or have ended).
@@ -74,13 +77,13 @@ class _Run:
         return request_body("completions", self.model, (session.system or "") + turn.text,
                             None, turn.output_len, self.settings.temperature, turn.exact_len)
 
-    async def _turns(self, session: Session) -> None:
+    async def _turns(self, session: Session, number: int) -> None:
         history: list[dict] = []
         signal = None if session.after_first_tokens else _once(self._leader_started)
         try:
             for index, turn in enumerate(session.turns):
                 record = RequestRecord(session.group, turn.input_len, turn.output_len,
-                                       exact_len=turn.exact_len)
+                                       exact_len=turn.exact_len, session=number, turn=index)
                 self.records.append(record)
                 body = self._body(session, history, turn)
                 try:
@@ -90,7 +93,7 @@ class _Run:
                     record.cancelled = True
                     raise
                 if record.error:
-                    self._skip(session, index + 1)
+                    self._skip(session, number, index + 1)
                     return
                 if self.plan.chat_history:
                     history += [{"role": "user", "content": turn.text},
@@ -99,26 +102,27 @@ class _Run:
             if signal:
                 signal()  # a stream that failed before its first token must not block others
 
-    def _skip(self, session: Session, first: int) -> None:
+    def _skip(self, session: Session, number: int, first: int) -> None:
         """Turns after a failed one are failures too: the conversation cannot go on."""
-        for turn in session.turns[first:]:
+        for index, turn in enumerate(session.turns[first:], first):
             self.records.append(RequestRecord(session.group, turn.input_len, turn.output_len,
-                                              error="skipped: an earlier turn failed"))
+                                              error="skipped: an earlier turn failed",
+                                              session=number, turn=index))
 
-    async def session(self, session: Session, arrival: float, t0: float) -> None:
-        await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
+    async def session(self, session: Session, number: int, arrival: float) -> None:
+        await asyncio.sleep(max(0.0, self.t0 + arrival - time.perf_counter()))
         if session.after_first_tokens:
             await self.leaders_started.wait()
         if self.limit is None:
-            return await self._turns(session)
+            return await self._turns(session, number)
         async with self.limit:
-            await self._turns(session)
+            await self._turns(session, number)
 
     async def run(self, arrivals: list[float], max_duration: float | None) -> float:
         """Run every session; the wall time in seconds."""
-        t0 = time.perf_counter()
-        tasks = [asyncio.ensure_future(self.session(s, a, t0))
-                 for s, a in zip(self.plan.sessions, arrivals)]
+        t0 = self.t0 = time.perf_counter()
+        tasks = [asyncio.ensure_future(self.session(s, number, a))
+                 for number, (s, a) in enumerate(zip(self.plan.sessions, arrivals))]
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=max_duration)
             for task in pending:
@@ -186,9 +190,26 @@ async def _bench(settings: BenchSettings, plan: Plan, warm: Plan | None) -> dict
         before = await read_counters(http, settings.base_url)   # after the warm-up
         duration = await run.run(arrivals, settings.max_duration)
         after = await read_counters(http, settings.base_url)
-    return result_line(settings, plan, model, run.endpoint, run.records, duration,
-                       run_share(PREFIX_CACHE, before, after),
-                       run_share(SPEC_DECODE, before, after))
+    result = result_line(settings, plan, model, run.endpoint, run.records, duration,
+                         run_share(PREFIX_CACHE, before, after),
+                         run_share(SPEC_DECODE, before, after))
+    if settings.requests_file:
+        write_request_details(result, run.records, run.t0, settings.requests_file)
+    return result
+
+
+def write_request_details(result: dict, records: list[RequestRecord], t0: float,
+                          path: Path) -> None:
+    """Append one JSON line per request: the run's label, workload, seed and load, then the
+    request's own figures (metrics.request_detail), in the order the requests were sent."""
+    run = {"label": result["label"], "workload": result["workload"], "date": result["date"],
+           **{k: result["settings"][k] for k in ("seed", "concurrency", "request_rate")}}
+    unsent = float("inf")
+    ordered = sorted(records, key=lambda r: (unsent if r.end is None else r.start,
+                                             r.session, r.turn))
+    with open(path, "a", encoding="utf-8") as out:
+        for record in ordered:
+            out.write(json.dumps({**run, **request_detail(record, t0)}) + "\n")
 
 
 def result_line(settings: BenchSettings, plan: Plan, model: str, endpoint: str,

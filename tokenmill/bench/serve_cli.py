@@ -61,6 +61,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT limit")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT limit")
+    p.add_argument("--save-requests", type=Path, default=None, help="append one JSON line per "
+                   "request here: its session and turn, start, token counts, TTFT, TPOT, E2E, "
+                   "every inter-token gap, status and error")
 
 
 def add_serve_bench_parsers(kinds) -> None:
@@ -104,7 +107,8 @@ def _settings(args: argparse.Namespace, concurrency: int | None, rate: float | N
                          args.num_turns, args.long_len, args.trace, args.seed)
     return BenchSettings(args.base_url, args.workload, args.model, args.endpoint, args.label,
                          concurrency, rate, args.warmup, args.max_duration, args.temperature,
-                         args.slo_ttft_ms, args.slo_tpot_ms, args.timeout, sizes, extra)
+                         args.slo_ttft_ms, args.slo_tpot_ms, args.timeout, sizes, extra,
+                         args.save_requests)
 
 
 def _bench_once(args: argparse.Namespace, tokenizer, concurrency, rate, extra) -> dict:

@@ -100,3 +100,17 @@ def test_parse_len():
     assert parse_len("12") == (12, 12) and parse_len("3:9") == (3, 9)
     with pytest.raises(ValueError):
         parse_len("9:3")
+
+
+def test_one_seed_gives_each_workload_its_own_prompts(tokenizer):
+    # The bench runs every workload of a seed on one server: a prompt that began like another
+    # workload's would be served from the prefix cache (16-token blocks) and flatter its TTFT.
+    sizes = WorkloadArgs(seed=5, num_requests=3, input_len=(40, 60), output_len=(4, 4),
+                         num_turns=2, prefix_len=48, long_len=64)
+    firsts = {}
+    for name in ("decode1", "random", "shared_prefix", "multiturn", "long_interference"):
+        plan = build_plan(name, sizes, tokenizer)
+        for session in plan.sessions:
+            for turn in session.turns:
+                ids = tokenizer.encode((session.system or "") + turn.text)[:16]
+                assert firsts.setdefault(tuple(ids), name) == name, (name, firsts[tuple(ids)])

@@ -185,3 +185,32 @@ def test_a_seed_run_twice_shows_the_servers_prefix_cache(server, tmp_path, capsy
     assert first["server_prefix_cache"]["hit_rate"] < 0.25
     assert second["server_prefix_cache"]["hit_rate"] > 0.5
     assert "server prefix cache:" in capsys.readouterr().out
+
+
+def test_utilization_against_given_ceilings(server, tmp_path, capsys):
+    from tokenmill.bench.utilization import model_cost
+    cost = model_cost(None)
+    details = tmp_path / "requests.jsonl"
+    peaks = ["--peak-gflops", "100", "--peak-gbps", "20"]
+    [lone] = _bench(server, tmp_path, "--workload", "decode1", "--num-requests", "2",
+                    "--input-len", "16", "--output-len", "8", "--save-requests", str(details),
+                    *peaks)
+    _check(lone, 2)
+    use = lone["utilization"]
+    processed = (lone["input_tokens"] - lone["server_prefix_cache"]["hits"]
+                 + lone["output_tokens"]) / lone["duration_s"]
+    assert use["processed_tok_s"] == pytest.approx(processed)
+    assert use["mfu"] == pytest.approx(processed * 2 * cost.params / 100e9)
+    requests = [json.loads(line) for line in details.read_text().splitlines()]
+    contexts = [d["input_tokens"] + i for d in requests for i in range(d["output_tokens"])]
+    per_token = 4 * cost.params + sum(contexts) / len(contexts) * cost.kv_bytes_per_token
+    assert use["decode_bytes_per_token"] == pytest.approx(per_token)
+    assert use["mbu"] == pytest.approx(lone["output_tok_s"] * per_token / 20e9)
+    assert "MFU" in capsys.readouterr().out
+    # many streams at once: MFU only, over the prompt tokens the prefix cache did not serve
+    shared = _bench(server, tmp_path, "--workload", "shared_prefix", "--num-requests", "4",
+                    "--prefix-len", "64", "--input-len", "8", "--output-len", "4", *peaks)[-1]
+    hits = shared["server_prefix_cache"]["hits"]
+    assert hits > 0 and shared["utilization"]["mbu"] is None
+    assert shared["utilization"]["processed_tok_s"] == pytest.approx(
+        (shared["input_tokens"] - hits + shared["output_tokens"]) / shared["duration_s"])

@@ -50,6 +50,15 @@ def format_table(result: dict) -> str:
     if drafts:
         lines.append(f"server drafts: {drafts['accepted']} of {drafts['drafts']} kept "
                      f"({100 * drafts['acceptance_rate']:.0f}%)")
+    use = result.get("utilization")
+    if use:
+        line = f"utilization: {use['processed_tok_s']:.1f} tokens processed/s"
+        if use["mfu"] is not None:
+            line += f", MFU {100 * use['mfu']:.0f}% of {use['gemm_gflops']:.0f} GFLOP/s"
+        if use["mbu"] is not None:
+            line += (f"; MBU {100 * use['mbu']:.0f}% of {use['copy_gbps']:.1f} GB/s "
+                     f"({use['decode_bytes_per_token'] / 1e6:.0f} MB a token)")
+        lines.append(line)
     if not result["usage_reported"] and result["num_ok"]:
         lines.append("note: the server did not report usage; output tokens were counted as "
                      "stream chunks")

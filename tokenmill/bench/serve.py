@@ -21,6 +21,7 @@ import httpx
 from tokenmill.bench.client import make_http_client, request_body, served_model, stream_request
 from tokenmill.bench.metrics import RequestRecord, request_detail, summarize
 from tokenmill.bench.server_counters import PREFIX_CACHE, SPEC_DECODE, read_counters, run_share
+from tokenmill.bench.utilization import Ceilings, ModelCost, utilization
 from tokenmill.bench.workloads import (Plan, Session, TextTokenizer, Turn, WorkloadArgs,
                                        build_plan)
 
@@ -43,6 +44,9 @@ class BenchSettings:
     sizes: WorkloadArgs = field(default_factory=WorkloadArgs)
     extra: dict = field(default_factory=dict)  # recorded with the result (e.g. a sweep id)
     requests_file: Path | None = None    # append one JSON line per measured request here
+    ceilings: Ceilings | None = None     # the machine's peaks: the result gets `utilization`
+    cost: ModelCost | None = None        # the served model's FLOPs and bytes per token
+    weight_bytes: float | None = None    # weight bytes a lone stream reads a token (fp32)
 
 
 class _Run:
@@ -193,6 +197,9 @@ async def _bench(settings: BenchSettings, plan: Plan, warm: Plan | None) -> dict
     result = result_line(settings, plan, model, run.endpoint, run.records, duration,
                          run_share(PREFIX_CACHE, before, after),
                          run_share(SPEC_DECODE, before, after))
+    if settings.ceilings and settings.cost:
+        result["utilization"] = utilization(result, run.records, settings.cost,
+                                            settings.ceilings, settings.weight_bytes)
     if settings.requests_file:
         write_request_details(result, run.records, run.t0, settings.requests_file)
     return result

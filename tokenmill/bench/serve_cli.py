@@ -17,6 +17,16 @@ def _length(value: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _positive(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"want a number: {exc}") from exc
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return number
+
+
 def _numbers(kind):
     def parse(value: str) -> list:
         try:
@@ -66,9 +76,23 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    "every inter-token gap, status and error")
 
 
+def _add_utilization_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--peak-gflops", type=_positive, default=None, help="this machine's fp32 GEMM "
+                   "peak (`tokenmill bench peak`): the result gets the run's model-FLOPs "
+                   "utilization")
+    p.add_argument("--peak-gbps", type=_positive, default=None, help="its copy bandwidth (`tokenmill "
+                   "bench peak`): at concurrency 1 the result also gets the memory-bandwidth "
+                   "utilization")
+    p.add_argument("--model-shapes", default=None, help="the served model (a known name, a .gguf "
+                   "file or a Hugging Face directory) whose shapes give the FLOPs and bytes of "
+                   "a token (default: tokenmill's default model)")
+    p.add_argument("--weight-bytes", type=_positive, default=None, help="bytes of weights a lone "
+                   "stream reads per token (default: 4 per weight, fp32)")
+
+
 def add_serve_bench_parsers(kinds) -> None:
     serve = kinds.add_parser("serve", help="load-test a running OpenAI-compatible server")
-    for add in (_add_target_args, _add_workload_args, _add_run_args):
+    for add in (_add_target_args, _add_workload_args, _add_run_args, _add_utilization_args):
         add(serve)
     serve.add_argument("--concurrency", type=int, default=None,
                        help="in-flight requests (default: the workload's)")
@@ -78,7 +102,7 @@ def add_serve_bench_parsers(kinds) -> None:
     serve.set_defaults(run=_run_serve)
 
     sweep = kinds.add_parser("sweep", help="one workload at several concurrencies or rates")
-    for add in (_add_target_args, _add_workload_args, _add_run_args):
+    for add in (_add_target_args, _add_workload_args, _add_run_args, _add_utilization_args):
         add(sweep)
     loads = sweep.add_mutually_exclusive_group(required=True)
     loads.add_argument("--concurrencies", type=_numbers(int), help="e.g. 1,4,16")
@@ -99,16 +123,29 @@ def add_serve_bench_parsers(kinds) -> None:
     compare.add_argument("--baseline", required=True, help="the label the ratios divide by")
     compare.set_defaults(run=_run_compare)
 
+    peak = kinds.add_parser("peak", help="this machine's fp32 GEMM peak and copy bandwidth")
+    peak.add_argument("--rounds", type=int, default=10, help="timed runs of each, the best kept")
+    peak.add_argument("--json", type=Path, default=None, help="append the figures as a JSON line")
+    peak.set_defaults(run=_run_peak)
+
 
 def _settings(args: argparse.Namespace, concurrency: int | None, rate: float | None,
               extra: dict):
     from tokenmill.bench.serve import BenchSettings
+    from tokenmill.bench.utilization import Ceilings, model_cost
     sizes = WorkloadArgs(args.num_requests, args.input_len, args.output_len, args.prefix_len,
                          args.num_turns, args.long_len, args.trace, args.seed)
+    ceilings = cost = None
+    if args.peak_gflops or args.peak_gbps:
+        ceilings = Ceilings(args.peak_gflops, args.peak_gbps)
+        try:
+            cost = model_cost(args.model_shapes)
+        except ValueError as exc:
+            raise ValueError(f"--model-shapes: {exc}") from exc
     return BenchSettings(args.base_url, args.workload, args.model, args.endpoint, args.label,
                          concurrency, rate, args.warmup, args.max_duration, args.temperature,
                          args.slo_ttft_ms, args.slo_tpot_ms, args.timeout, sizes, extra,
-                         args.save_requests)
+                         args.save_requests, ceilings, cost, args.weight_bytes)
 
 
 def _bench_once(args: argparse.Namespace, tokenizer, concurrency, rate, extra) -> dict:
@@ -159,6 +196,19 @@ def _run_plot(args: argparse.Namespace) -> int:
     from tokenmill.bench.plot import plot_results
     from tokenmill.bench.report import load_results
     print(f"plot: {plot_results(load_results(args.results), args.out, args.workload)}")
+    return 0
+
+
+def _run_peak(args: argparse.Namespace) -> int:
+    from tokenmill.bench.report import append_result
+    from tokenmill.bench.utilization import measure_ceilings
+    figures = measure_ceilings(args.rounds)
+    figures["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    print(f"fp32 GEMM peak: {figures['gemm_gflops']:.1f} GFLOP/s ({figures['gemm_shape']}, "
+          f"{figures['threads']} threads); copy: {figures['copy_gbps']:.1f} GB/s (read + "
+          "written)")
+    if args.json:
+        append_result(figures, args.json)
     return 0
 
 

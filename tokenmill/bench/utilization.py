@@ -6,8 +6,8 @@ on all of torch's threads); `tokenmill bench serve --peak-gflops G --peak-gbps B
 for the served model's shapes (its ModelSpec):
 - MFU = tokens processed per second (prompt tokens the server computed, i.e. not served from
   its prefix cache when it reports that, plus output tokens) x 2 x the linears' weights a
-  token passes through (lm_head included) / G. Attention's FLOPs are left out: the figure is
-  the weights' share, as the issue's ceiling counts it.
+  token passes through (lm_head included) / G. Attention's FLOPs are left out (they grow
+  with the context): the figure is the weights' share of the work.
 - MBU (concurrency 1 only: a lone stream reads every weight per token) = output tokens per
   second x (weight bytes + the mean context x K and V bytes per token) / B. The weight bytes
   default to fp32 (4 a weight); a server that streams smaller weights reads fewer, so pass

@@ -88,6 +88,8 @@ def test_bad_utilization_flags_are_named(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             main([*base, flag, "0"])
         assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+    assert main(["bench", "peak", "--rounds", "0"]) == 2
+    assert "--rounds" in capsys.readouterr().err
     missing = str(tmp_path / "no-such-model.gguf")
     assert main([*base, "--peak-gflops", "100", "--model-shapes", missing]) == 2
     assert "--model-shapes" in capsys.readouterr().err

@@ -80,9 +80,9 @@ def _add_utilization_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-gflops", type=_positive, default=None, help="this machine's fp32 GEMM "
                    "peak (`tokenmill bench peak`): the result gets the run's model-FLOPs "
                    "utilization")
-    p.add_argument("--peak-gbps", type=_positive, default=None, help="its copy bandwidth (`tokenmill "
-                   "bench peak`): at concurrency 1 the result also gets the memory-bandwidth "
-                   "utilization")
+    p.add_argument("--peak-gbps", type=_positive, default=None, help="its copy bandwidth "
+                   "(`tokenmill bench peak`): at concurrency 1 the result also gets the "
+                   "memory-bandwidth utilization")
     p.add_argument("--model-shapes", default=None, help="the served model (a known name, a .gguf "
                    "file or a Hugging Face directory) whose shapes give the FLOPs and bytes of "
                    "a token (default: tokenmill's default model)")
@@ -202,6 +202,9 @@ def _run_plot(args: argparse.Namespace) -> int:
 def _run_peak(args: argparse.Namespace) -> int:
     from tokenmill.bench.report import append_result
     from tokenmill.bench.utilization import measure_ceilings
+    if args.rounds < 1:
+        print(f"tokenmill bench peak: --rounds must be >= 1, got {args.rounds}", file=sys.stderr)
+        return 2
     figures = measure_ceilings(args.rounds)
     figures["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     print(f"fp32 GEMM peak: {figures['gemm_gflops']:.1f} GFLOP/s ({figures['gemm_shape']}, "

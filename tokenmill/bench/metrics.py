@@ -33,6 +33,11 @@ class RequestRecord:
     turn: int = 0                  # the turn within it
 
     @property
+    def prompt_len(self) -> int:
+        """Prompt tokens: the server's count when it reported usage, else as built."""
+        return self.prompt_tokens if self.prompt_tokens is not None else self.input_len
+
+    @property
     def ok(self) -> bool:
         return self.error is None and not self.cancelled and self.end is not None
 
@@ -87,8 +92,7 @@ def request_detail(record: RequestRecord, t0: float) -> dict:
         "session": record.session, "turn": record.turn, "group": record.group,
         "status": status, "error": None if record.cancelled else record.error,
         "start_ms": None if record.end is None else _ms(record.start - t0),   # None: not sent
-        "input_tokens": record.prompt_tokens if record.prompt_tokens is not None
-        else record.input_len,
+        "input_tokens": record.prompt_len,
         "output_tokens": record.output_tokens,
         "ttft_ms": _ms(ttft(record)), "tpot_ms": _ms(tpot(record)), "e2e_ms": _ms(e2e(record)),
         "itl_ms": [_ms(gap) for gap in itls(record)],
@@ -133,8 +137,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo_ttft_ms: floa
     """Every figure of one run; `duration_s` is the measured phase's wall time."""
     ok = [r for r in records if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
-    input_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.input_len
-                       for r in ok)
+    input_tokens = sum(r.prompt_len for r in ok)
     per_s = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: 0.0)
     figures = {
         "num_ok": len(ok),

@@ -34,7 +34,7 @@ class ModelCost:
         attention = h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * h
         mlp = 3 * h * spec.intermediate_size
         return cls(params=spec.num_layers * (attention + mlp) + spec.vocab_size * h,
-                   kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * d * 4)
+                   kv_bytes_per_token=spec.kv_bytes_per_token * 4)   # its count, fp32
 
     @property
     def flops_per_token(self) -> int:
@@ -67,9 +67,8 @@ def mean_context(records: list[RequestRecord]) -> float | None:
         n = record.output_tokens
         if not record.ok or n <= 0:
             continue
-        prompt = record.prompt_tokens if record.prompt_tokens is not None else record.input_len
         tokens += n
-        weighted += n * prompt + n * (n - 1) / 2
+        weighted += n * record.prompt_len + n * (n - 1) / 2
     return weighted / tokens if tokens else None
 
 

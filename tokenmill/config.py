@@ -118,9 +118,13 @@ class SchedulerConfig:
     # p50 1.22 -> 2.71 s, tok/s 150 -> 139. Fourteenth session (512 under 2048 against 512
     # alone, AVX-512 Xeon, 8 seeds against vLLM): TTFT p99 1.025x (1.09x), p50 0.97x (0.81x),
     # worst stall 1.7-1.9 s (0.5-0.6 s), as vLLM's; the other workloads unchanged.
+    # Smaller, it bounds the prompts that join the head of the queue, not the head's own
+    # prompt (cut, a 1,056-token shared_prefix prompt took three steps while fifteen requests
+    # waited for its prefix).
     idle_batched_tokens: int = _opt(512, "token budget of a step in which no running request "
                                     "has output yet: larger, prompts arriving together share "
-                                    "a step; smaller, the first of a burst answers sooner and "
+                                    "a step; smaller, the first of a burst answers sooner (its "
+                                    "own prompt is not cut below a full step's chunk) and "
                                     "the rest take max_num_batched_tokens once a request "
                                     "streams (0: always max_num_batched_tokens)")
     policy: str = _opt("fcfs", "waiting-queue order: first come first served; by request "

@@ -204,9 +204,11 @@ class Harness:
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
         budget, cap = config.max_num_batched_tokens, config.chunk_cap
         if not streaming and config.idle_batched_tokens not in (0, budget):
-            # no stream decoding: the idle budget, larger or smaller, and a chunk may take it all
-            budget = config.idle_batched_tokens
-            cap = min(config.max_prefill_chunk or budget, budget)
+            # No stream decoding: the idle budget, larger or smaller. The head's prompt may
+            # take the step past a smaller one (up to the cap), the prompts joining it not.
+            most = max(config.idle_batched_tokens, budget)
+            cap = min(config.max_prefill_chunk or most, most)
+            budget = max(config.idle_batched_tokens, max(counts.values(), default=0))
         whole_from = config.unchunked_prefill_min or budget + 1
         if out.total_num_scheduled_tokens > budget:
             # only a whole long prompt may pass the budget, and it ends the step

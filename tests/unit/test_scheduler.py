@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers.fake_executor import Harness, ScriptedProposer, expected_output, make_request
+from tests.helpers.fake_executor import (BS, Harness, ScriptedProposer, expected_output,
+                                         make_request)
 from tokenmill.outputs import FinishReason
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec.ngram import NgramProposer
@@ -119,6 +120,39 @@ def test_a_smaller_idle_step_answers_the_head_of_a_burst_first():
     assert h.step().num_scheduled_tokens == {r: 1 for r in "abcde"}
     h.add(make_request("f", prompt(9, 30), 2, 9.0))
     assert h.step().num_scheduled_tokens == {**{r: 1 for r in "abcde"}, "f": 30}
+    h.run()
+    h.check_outputs()
+    h.check_end()
+
+
+def test_a_smaller_idle_step_does_not_cut_the_head_of_the_queue():
+    h = Harness(max_num_batched_tokens=40, idle_batched_tokens=16, max_num_seqs=8)
+    h.add(make_request("a", prompt(0, 30), 30, 0.0),
+          *[make_request(r, prompt(i, 10), 30, float(i)) for i, r in enumerate("bc", 1)])
+    # the head's 30 tokens in one step (not 16 + 14), and no other prompt joins it
+    assert h.step().num_scheduled_tokens == {"a": 30}
+    assert h.step().num_scheduled_tokens == {"a": 1, "b": 10, "c": 10}
+    h.run()
+    h.check_outputs()
+    h.check_end()
+
+
+def test_the_head_of_an_idle_step_keeps_its_chunk_cap():
+    h = Harness(max_num_batched_tokens=40, idle_batched_tokens=16, max_prefill_chunk=8)
+    h.add(make_request("a", prompt(0, 30), 3, 0.0), make_request("b", prompt(1, 30), 3, 1.0))
+    assert h.step().num_scheduled_tokens == {"a": 8, "b": 8}
+    h.run()
+    h.check_outputs()
+    h.check_end()
+
+
+def test_requests_waiting_on_the_heads_prefix_follow_it_a_step_later():
+    shared = prompt(0, 4 * BS)
+    h = Harness(max_num_batched_tokens=64, idle_batched_tokens=8, max_num_seqs=8)
+    h.add(*[make_request(r, shared + prompt(i, 3), 4, float(i)) for i, r in enumerate("abc")])
+    # "b" and "c" wait for "a"'s prefix, which goes whole in the first step
+    assert h.step().num_scheduled_tokens == {"a": 4 * BS + 3}
+    assert h.step().num_scheduled_tokens == {"a": 1, "b": 3, "c": 3}
     h.run()
     h.check_outputs()
     h.check_end()

@@ -7,11 +7,12 @@ the lowest-priority, latest-arrived running request is preempted: its blocks are
 full blocks stay in the prefix cache) and it is recomputed from its tokens when it resumes.
 With `unchunked_prefill_min`, a prompt with that many tokens left is computed in one step,
 whatever the budget. With `idle_batched_tokens` (by default 512 under a budget of 2048), a
-step in which no running request has output yet takes that budget (and chunk cap, unless
-`max_prefill_chunk` is set).
-Larger than the budget, prompts that arrive together share one step; smaller, the first step
-of a burst is short, so the head of the queue answers soon, and once it streams the rest of
-the burst goes in steps of the full budget. With a drafter (speculative decoding), a
+step in which no running request has output yet takes that budget. Larger than the budget,
+prompts that arrive together share one step; smaller, the first step of a burst is short, so
+the head of the queue answers soon, and once it streams the rest of the burst goes in steps
+of the full budget. The head's own prompt is not cut by the smaller idle budget (a step
+takes as much of it as a step of the full budget would): cutting it would only delay its
+first token, and the requests that wait for its prefix. With a drafter (speculative decoding), a
 decoding request in a step without prompt work computes its last token and the drafts the
 drafter chose for it (spec/drafter.py) in one step; the worker samples at each and keeps the
 drafts up to the first that differs from the sampled token, and `update` takes the rejected
@@ -97,25 +98,38 @@ class Scheduler:
     # ---- scheduling ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = StepPlan(*self._step_limits())
+        order = self.admission.order(self.waiting)
+        plan = StepPlan(*self._step_limits(order))
         self._schedule_running(plan)
         if not plan.preempted:
-            self._schedule_waiting(plan)
+            self._schedule_waiting(plan, order)
         # No drafts beside prompt work: they would lengthen a step that a prompt's first
         # token waits for, and the prompt's rows keep that step busy enough anyway.
         if self.drafter is not None and not plan.preempted and not plan.has_prompt_work:
             self._add_drafts(plan)
         return self._emit(plan)
 
-    def _step_limits(self) -> tuple[int, int]:
-        """(token budget, one request's chunk cap) for this step."""
+    def _step_limits(self, order: list[Request]) -> tuple[int, int]:
+        """(token budget, one request's chunk cap) for this step; `order`: the waiting
+        requests in the order they will be tried."""
         config = self.config
-        budget = config.max_num_batched_tokens
-        if config.idle_batched_tokens and not any(r.num_output_tokens for r in self.running):
-            budget = config.idle_batched_tokens
-        if budget == config.max_num_batched_tokens:
-            return budget, config.chunk_cap
-        return budget, min(config.max_prefill_chunk or budget, budget)
+        full, idle = config.max_num_batched_tokens, config.idle_batched_tokens
+        if not idle or any(r.num_output_tokens for r in self.running):
+            return full, config.chunk_cap
+        most = max(idle, full)
+        cap = min(config.max_prefill_chunk or most, most)
+        # The idle budget bounds the prompts that join the head's, not the head's own.
+        return max(idle, min(self._head_prompt_left(order), cap)), cap
+
+    def _head_prompt_left(self, order: list[Request]) -> int:
+        """Prompt tokens left to compute for the head of the queue: the earliest running
+        request still prefilling, else the first waiting request to try."""
+        for request in self.running:
+            if _is_prefilling(request):
+                return request.num_tokens - request.num_computed_tokens
+        if order:
+            return order[0].num_tokens - self.kv.num_cached_tokens(order[0])
+        return 0
 
     def _chunk(self, request: Request, plan: StepPlan) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
@@ -190,8 +204,7 @@ class Scheduler:
         self._dropped_ids.add(request.request_id)
         plan.preempted.append(request)
 
-    def _schedule_waiting(self, plan: StepPlan) -> None:
-        order = self.admission.order(self.waiting)
+    def _schedule_waiting(self, plan: StepPlan, order: list[Request]) -> None:
         for position, request in enumerate(order):
             if plan.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return

@@ -128,9 +128,8 @@ class SchedulerConfig:
                                     "the rest take max_num_batched_tokens once a request "
                                     "streams (0: always max_num_batched_tokens)")
     policy: str = _opt("fcfs", "waiting-queue order: first come first served; by request "
-                       "priority (lower value first, ties by arrival); 'lpm', longest cached "
-                       "prefix first; or 'sjf', fewest uncached prompt tokens first (lpm and "
-                       "sjf bounded so none starves)", ("fcfs", "priority", "lpm", "sjf"))
+                       "priority (lower value first, ties by arrival); or 'lpm', longest cached "
+                       "prefix first (bounded so none starves)", ("fcfs", "priority", "lpm"))
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
@@ -142,8 +141,8 @@ class SchedulerConfig:
                  f"must be >= 0, got {self.unchunked_prefill_min}")
         _require(self.idle_batched_tokens >= 0, "idle_batched_tokens",
                  f"must be >= 0, got {self.idle_batched_tokens}")
-        _require(self.policy in ("fcfs", "priority", "lpm", "sjf"), "policy",
-                 f"must be 'fcfs', 'priority', 'lpm' or 'sjf', got {self.policy!r}")
+        _require(self.policy in ("fcfs", "priority", "lpm"), "policy",
+                 f"must be 'fcfs', 'priority' or 'lpm', got {self.policy!r}")
 
     @property
     def chunk_cap(self) -> int:

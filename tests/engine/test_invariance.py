@@ -52,14 +52,6 @@ def test_tiny_prefill_chunks_equal_unchunked(make_llm, prompts, one_at_a_time, w
     assert_kv_clean(llm)
 
 
-@pytest.mark.parametrize("policy", ["lpm", "sjf"])
-def test_admission_order_keeps_output(make_llm, prompts, one_at_a_time, policy):
-    """Four at a time in 64-token steps: the policy decides which prompts share a step."""
-    llm = make_llm(policy=policy, max_num_batched_tokens=64, max_num_seqs=4)
-    assert token_ids(llm.generate(prompts, GREEDY)) == one_at_a_time
-    assert_kv_clean(llm)
-
-
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_preemption_keeps_output(make_llm, prompts, one_at_a_time, prefix_cache):
     llm = make_llm(num_kv_blocks=40, max_model_len=512, prefix_cache=prefix_cache)

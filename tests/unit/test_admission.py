@@ -1,10 +1,7 @@
-"""The admission order: LPM by cached prefix and SJF by uncached prompt tokens, both with a
-starvation guard, FCFS as queued; and a prompt waits for a running request computing its
-next block."""
+"""The admission order: LPM by cached prefix with a starvation guard, FCFS as queued; and a
+prompt waits for a running request computing its next block."""
 
 from __future__ import annotations
-
-import pytest
 
 from tests.unit.test_kv_manager import admit, make_request, run_to_end
 from tokenmill.core.admission import MAX_SKIPS, AdmissionOrder, prefix_in_flight
@@ -33,18 +30,6 @@ def test_lpm_tries_the_longest_cached_prefix_first_and_keeps_arrival_order_on_ti
     assert [r.request_id for r in order] == ["hot", "warm", "cold", "cold2"]
 
 
-def test_sjf_tries_the_fewest_uncached_prompt_tokens_first_and_keeps_arrival_order_on_ties():
-    short = make_request("short", [5] * 3)
-    short.arrival_time = 4.0
-    queue = _queue() + [short]
-    # tokens left: cold 13, warm 5, hot 1, cold2 13, short 3
-    order = AdmissionOrder("sjf", _kv_with_a_cached_prompt()).order(queue)
-    assert [r.request_id for r in order] == ["hot", "short", "warm", "cold", "cold2"]
-    uncached = KVCacheManager(num_blocks=32, block_size=4, prefix_cache=False)
-    order = AdmissionOrder("sjf", uncached).order(queue)
-    assert [r.request_id for r in order] == ["short", "cold", "warm", "hot", "cold2"]
-
-
 def test_fcfs_and_priority_keep_the_queues_order():
     kv = _kv_with_a_cached_prompt()
     for policy in ("fcfs", "priority"):
@@ -52,9 +37,8 @@ def test_fcfs_and_priority_keep_the_queues_order():
             "cold", "warm", "hot", "cold2"]
 
 
-@pytest.mark.parametrize("policy", ["lpm", "sjf"])
-def test_a_request_passed_over_too_often_goes_first(policy):
-    admission = AdmissionOrder(policy, _kv_with_a_cached_prompt())
+def test_a_request_passed_over_too_often_goes_first():
+    admission = AdmissionOrder("lpm", _kv_with_a_cached_prompt())
     queue = _queue()
     cold, warm, hot, cold2 = queue
     for _ in range(MAX_SKIPS - 1):

@@ -158,16 +158,6 @@ def test_requests_waiting_on_the_heads_prefix_follow_it_a_step_later():
     h.check_end()
 
 
-def test_sjf_admits_the_shortest_prompts_of_a_burst_first():
-    h = Harness(max_num_batched_tokens=16, idle_batched_tokens=0, policy="sjf", max_num_seqs=8)
-    h.add(make_request("long", prompt(0, 30), 3, 0.0), make_request("b", prompt(1, 6), 3, 1.0),
-          make_request("c", prompt(2, 4), 3, 2.0))
-    assert h.step().num_scheduled_tokens == {"c": 4, "b": 6, "long": 6}
-    h.run()
-    h.check_outputs()
-    h.check_end()
-
-
 def test_max_num_seqs_limits_running_requests():
     h = Harness(max_num_seqs=2)
     h.add(*[make_request(f"r{i}", prompt(i, 5), 3, float(i)) for i in range(5)])
@@ -454,7 +444,7 @@ def workloads(draw):
         max_prefill_chunk=draw(st.none() | st.integers(1, 16)),
         unchunked_prefill_min=draw(st.integers(0, MAX_MODEL_LEN)),
         idle_batched_tokens=draw(st.integers(0, 2 * MAX_MODEL_LEN)),
-        policy=draw(st.sampled_from(["fcfs", "priority", "lpm", "sjf"])),
+        policy=draw(st.sampled_from(["fcfs", "priority", "lpm"])),
         proposer=draw(st.sampled_from([None, "scripted", "ngram", "adaptive"])))
     requests = []
     for i in range(draw(st.integers(1, 8))):

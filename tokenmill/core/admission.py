@@ -1,16 +1,11 @@
 """The order in which the scheduler tries waiting requests, and which should wait a step.
 
 LPM (longest prefix match): the waiting request with the most of its prompt in the prefix
-cache goes first, so shared prefixes are computed once and reused while cached. SJF
-(shortest job first): the request with the fewest prompt tokens left to compute (its cached
-prefix counted as done) goes first, so a burst's short prompts answer after a short wait
-instead of behind the long ones: the mean wait is lower, and the burst's last first token
-comes about when it would in arrival order (the same work is ahead of it). Under both, a
-request passed over by later or equal arrivals `MAX_SKIPS` times goes first, so none
-starves; past `MAX_QUEUE` waiting requests the order is the queue's own (sorting would cost
-more than it saves). FCFS and priority take the queue's order as it is. Separately, a prompt
-whose next uncached block a running request is computing right now waits for it to land in
-the cache.
+cache goes first, so shared prefixes are computed once and reused while cached; a request
+passed over by later arrivals `MAX_SKIPS` times goes first, so none starves; past
+`MAX_QUEUE` waiting requests the order is the queue's own (sorting would cost more than it
+saves). FCFS and priority take the queue's order as it is. Separately, a prompt whose next
+uncached block a running request is computing right now waits for it to land in the cache.
 
 Pure Python over requests and the KV manager's lookups.
 """
@@ -35,26 +30,19 @@ class AdmissionOrder:
     def order(self, waiting: Iterable[Request]) -> list[Request]:
         """The waiting requests in the order to try them."""
         queue = list(waiting)
-        if not self._reorders or len(queue) < 2 or len(queue) > MAX_QUEUE:
+        if self.policy != "lpm" or len(queue) > MAX_QUEUE or not self.kv.prefix_cache:
             return queue
         starving = [r for r in queue if self._skips.get(r.request_id, 0) >= MAX_SKIPS]
         rest = [r for r in queue if self._skips.get(r.request_id, 0) < MAX_SKIPS]
-        if self.policy == "lpm":
-            rest.sort(key=lambda r: -self.kv.num_cached_tokens(r))   # stable: ties by arrival
-        else:
-            rest.sort(key=lambda r: r.num_tokens - self.kv.num_cached_tokens(r))
+        rest.sort(key=lambda r: -self.kv.num_cached_tokens(r))   # stable: ties by arrival
         return starving + rest
-
-    @property
-    def _reorders(self) -> bool:
-        return self.policy == "sjf" or (self.policy == "lpm" and self.kv.prefix_cache)
 
     def admitted(self, request: Request, ahead: Iterable[Request],
                  waiting: Container[Request]) -> None:
         """`request` was admitted after trying `ahead`; those still `waiting` that arrived
         no later than it count a skip."""
         self._skips.pop(request.request_id, None)
-        if not self._reorders:
+        if self.policy != "lpm":
             return
         for other in ahead:
             if other.arrival_time <= request.arrival_time and other in waiting:

@@ -1,9 +1,9 @@
 """Waiting queues: requests in the order the scheduler should admit them.
 
-FCFS (and LPM and SJF, which the scheduler reorders: core/admission.py) orders by arrival;
-the priority policy by (priority, arrival), lower priority values first. A preempted request
-keeps its arrival time, so it goes back ahead of later arrivals. Ties (n > 1 siblings arrive
-together) keep insertion order.
+FCFS (and LPM, which the scheduler reorders by cached prefix) orders by arrival; the priority
+policy by (priority, arrival), lower priority values first. A preempted request keeps its
+arrival time, so it goes back ahead of later arrivals. Ties (n > 1 siblings arrive together)
+keep insertion order.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tokenmill.request import Request
 
 class WaitingQueue:
     def __init__(self, policy: str) -> None:
-        assert policy in ("fcfs", "priority", "lpm", "sjf")
+        assert policy in ("fcfs", "priority", "lpm")
         self.policy = policy
         self._items: list[tuple[tuple, Request]] = []
         self._seq = itertools.count()

@@ -9,14 +9,14 @@ With `unchunked_prefill_min`, a prompt with that many tokens left is computed in
 whatever the budget. With `idle_batched_tokens` (by default 512 under a budget of 2048), a
 step in which no running request has output yet takes that budget. Larger than the budget,
 prompts that arrive together share one step; smaller, the first step of a burst is short, so
-the head of the queue answers soon, and once it streams the rest of the burst goes in steps
-of the full budget. The head's own prompt is not cut by the smaller idle budget (a step
-takes as much of it as a step of the full budget would): cutting it would only delay its
-first token, and the requests that wait for its prefix. With a drafter (speculative decoding), a
-decoding request in a step without prompt work computes its last token and the drafts the
-drafter chose for it (spec/drafter.py) in one step; the worker samples at each and keeps the
-drafts up to the first that differs from the sampled token, and `update` takes the rejected
-drafts' positions back from num_computed_tokens.
+the head of the queue answers soon, and once it streams the rest of the burst goes in steps of
+the full budget. The head's own prompt is not cut by the smaller idle budget (a step takes as
+much of it as a step of the full budget would): cutting it would only delay its first token,
+and the requests that wait for its prefix. With a drafter (speculative decoding), a decoding
+request in a step without prompt work computes its last token and the drafts the drafter chose
+for it (spec/drafter.py) in one step; the worker samples at each and keeps the drafts up to
+the first that differs from the sampled token, and `update` takes the rejected drafts'
+positions back from num_computed_tokens.
 
 Pure Python over ints and lists: no torch, no model.
 """

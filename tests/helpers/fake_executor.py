@@ -203,12 +203,18 @@ class Harness:
                   for rid, n in out.num_scheduled_tokens.items()}
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
         budget, cap = config.max_num_batched_tokens, config.chunk_cap
+        step_budget = budget
         if not streaming and config.idle_batched_tokens not in (0, budget):
             # No stream decoding: the idle budget, larger or smaller. The head's prompt may
-            # take the step past a smaller one (up to the cap), the prompts joining it not.
-            most = max(config.idle_batched_tokens, budget)
+            # take the step past a smaller one (up to the cap), beside the last prompt tokens
+            # scheduled before it; the prompts joining it may not.
+            idle = step_budget = config.idle_batched_tokens
+            most = max(idle, budget)
             cap = min(config.max_prefill_chunk or most, most)
-            budget = max(config.idle_batched_tokens, max(counts.values(), default=0))
+            budget = idle
+            if idle < config.max_num_batched_tokens:
+                last_tokens = sum(1 for r in decodes if counts.get(r.request_id) == 1)
+                budget = max(idle, last_tokens + max(counts.values(), default=0))
         whole_from = config.unchunked_prefill_min or budget + 1
         if out.total_num_scheduled_tokens > budget:
             # only a whole long prompt may pass the budget, and it ends the step
@@ -228,7 +234,7 @@ class Harness:
             ranked = sorted(reversed(running_before), key=self.victim_key, reverse=True)
             assert {r.request_id for r in ranked[:len(preempted)]} == \
                 {r.request_id for r in preempted}
-        elif len(decodes) <= config.max_num_batched_tokens:
+        elif len(decodes) <= step_budget:
             for request in decodes:    # a decode is never starved by prompt chunks
                 assert counts.get(request.request_id) == 1, request.request_id
         self.preempted.append([r.request_id for r in preempted])

@@ -99,7 +99,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         order = self.admission.order(self.waiting)
-        plan = StepPlan(*self._step_limits(order))
+        plan = self._new_plan(order)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan, order)
@@ -109,41 +109,38 @@ class Scheduler:
             self._add_drafts(plan)
         return self._emit(plan)
 
-    def _step_limits(self, order: list[Request]) -> tuple[int, int]:
-        """(token budget, one request's chunk cap) for this step; `order`: the waiting
-        requests in the order they will be tried."""
+    def _new_plan(self, order: list[Request]) -> StepPlan:
+        """This step's token budget and chunk caps; `order`: the waiting requests in the
+        order they will be tried."""
         config = self.config
         full, idle = config.max_num_batched_tokens, config.idle_batched_tokens
         if not idle or any(r.num_output_tokens for r in self.running):
-            return full, config.chunk_cap
-        most = max(idle, full)
-        cap = min(config.max_prefill_chunk or most, most)
-        # The idle budget bounds the prompts that join the head's, not the head's own.
-        return max(idle, min(self._head_prompt_left(order), cap)), cap
-
-    def _head_prompt_left(self, order: list[Request]) -> int:
-        """Prompt tokens left to compute for the head of the queue: the earliest running
-        request still prefilling, else the first waiting request to try."""
-        for request in self.running:
-            if _is_prefilling(request):
-                return request.num_tokens - request.num_computed_tokens
-        if order:
-            return order[0].num_tokens - self.kv.num_cached_tokens(order[0])
-        return 0
+            return StepPlan(full, config.chunk_cap)
+        plan = StepPlan(idle, min(config.max_prefill_chunk or idle, idle))
+        if idle < full:
+            # The smaller budget bounds the prompts that join the head of the queue, not the
+            # head's own: it takes a full step's chunk (cut, shared_prefix's first prompt
+            # took three steps while the requests behind it waited for its prefix).
+            plan.head = next((r for r in self.running if _is_prefilling(r)),
+                             order[0] if order else None)
+            plan.head_cap = config.chunk_cap
+        return plan
 
     def _chunk(self, request: Request, plan: StepPlan) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
         whole_from = self.config.unchunked_prefill_min
         if whole_from and remaining >= whole_from:
             return remaining   # past the budget: the step ends with this request
+        if request is plan.head:
+            return min(remaining, plan.head_cap)   # past the idle budget, if it must
         return min(remaining, plan.chunk_cap, plan.budget)
 
     def _schedule_running(self, plan: StepPlan) -> None:
         # Decodes first: a prompt admitted in an idle step may still be prefilling when
         # requests admitted with it already decode, and its chunk must not starve them.
         for request in sorted(self.running, key=_is_prefilling):
-            if plan.budget <= 0:
-                break
+            if plan.budget <= 0 and request is not plan.head:
+                continue
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._chunk(request, plan)
@@ -206,7 +203,8 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan, order: list[Request]) -> None:
         for position, request in enumerate(order):
-            if plan.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if ((plan.budget <= 0 and request is not plan.head)
+                    or len(self.running) >= self.config.max_num_seqs):
                 return
             if (self._waits_for_source(request)
                     or prefix_in_flight(self.kv, request, self.running)):

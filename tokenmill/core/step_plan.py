@@ -13,6 +13,8 @@ class StepPlan:
     def __init__(self, budget: int, chunk_cap: int) -> None:
         self.budget = budget
         self.chunk_cap = chunk_cap
+        self.head: Request | None = None   # under a smaller idle budget: its chunk is not cut
+        self.head_cap = chunk_cap
         self.num_tokens: dict[str, int] = {}
         self.new_blocks: dict[str, list[int]] = {}
         self.new_requests: list[Request] = []

@@ -204,15 +204,16 @@ class Harness:
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
         budget, cap = config.max_num_batched_tokens, config.chunk_cap
         step_budget = budget
+        head_cap = None   # under a smaller idle budget: one chunk (the head's) may reach it
         if not streaming and config.idle_batched_tokens not in (0, budget):
             # No stream decoding: the idle budget, larger or smaller. The head's prompt may
             # take the step past a smaller one (up to the cap), beside the last prompt tokens
             # scheduled before it; the prompts joining it may not.
             idle = step_budget = config.idle_batched_tokens
-            most = max(idle, budget)
-            cap = min(config.max_prefill_chunk or most, most)
+            cap = min(config.max_prefill_chunk or idle, idle)
             budget = idle
             if idle < config.max_num_batched_tokens:
+                head_cap = config.chunk_cap
                 last_tokens = sum(1 for r in decodes if counts.get(r.request_id) == 1)
                 budget = max(idle, last_tokens + max(counts.values(), default=0))
         whole_from = config.unchunked_prefill_min or budget + 1
@@ -223,7 +224,9 @@ class Harness:
             assert out.total_num_scheduled_tokens - last < budget
         assert len(counts) <= config.max_num_seqs and len(sched.running) <= config.max_num_seqs
         assert set(counts) <= {r.request_id for r in sched.running}
-        assert all(1 <= n <= cap or n >= whole_from for n in counts.values())
+        past_cap = [n for n in counts.values() if not (1 <= n <= cap or n >= whole_from)]
+        assert not past_cap or (head_cap is not None and len(past_cap) == 1
+                                and past_cap[0] <= head_cap)
         for data in out.new_requests:
             if data.request_id not in self.admitted:
                 self.admitted.append(data.request_id)

@@ -37,10 +37,13 @@ class ModelConfig:
     attention_backend: str = _opt("auto", "attention kernels ('auto': the paged C++ CPU kernel "
                                   "for float32 on CPU when it compiles, else the torch "
                                   "reference)", ("auto", "torch", "cpu_paged"))
-    linear_backend: str = _opt("auto", "linear layers ('auto': 'hybrid' for float32 on CPU, "
-                               "else F.linear; 'hybrid': oneDNN packed weights plus a small-"
-                               "batch kernel, twice the weight memory; 'onednn': oneDNN only)",
-                               ("auto", "torch", "onednn", "hybrid"))
+    linear_backend: str = _opt("auto", "linear layers ('auto': 'amx' for float32 on a CPU with "
+                               "AMX tiles, else 'hybrid' for float32 on CPU, else F.linear; "
+                               "'hybrid': oneDNN packed weights plus a small-batch kernel, "
+                               "twice the weight memory; 'amx': 'hybrid' with long steps on "
+                               "the AMX tiles, for weights that are exactly two bf16 numbers "
+                               "each (exact products, fp32 sums); 'onednn': oneDNN only)",
+                               ("auto", "torch", "onednn", "hybrid", "amx"))
     compact_panels: bool = _opt(True, "with the 'hybrid' linears, also keep weights that are "
                                 "exactly GGUF Q4_1 or Q8_0 values (as such a model loads) in "
                                 "their blocks for steps of at most 10 tokens: the same fp32 "
@@ -59,8 +62,9 @@ class ModelConfig:
                  f"must be >= 1, got {self.num_threads}")
         _require(self.attention_backend in ("auto", "torch", "cpu_paged"), "attention_backend",
                  f"must be 'auto', 'torch' or 'cpu_paged', got {self.attention_backend!r}")
-        _require(self.linear_backend in ("auto", "torch", "onednn", "hybrid"), "linear_backend",
-                 f"must be 'auto', 'torch', 'onednn' or 'hybrid', got {self.linear_backend!r}")
+        _require(self.linear_backend in ("auto", "torch", "onednn", "hybrid", "amx"),
+                 "linear_backend", "must be 'auto', 'torch', 'onednn', 'hybrid' or 'amx', got "
+                 f"{self.linear_backend!r}")
         _require(self.elementwise_backend in ("auto", "torch", "cpu_fused"),
                  "elementwise_backend", f"must be 'auto', 'torch' or 'cpu_fused', got "
                  f"{self.elementwise_backend!r}")

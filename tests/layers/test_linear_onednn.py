@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+from tokenmill.layers import cpu_amx
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill.layers.linear import Linear, MergedLinear, onednn_available, \
     prepack_linears, resolve_linear_backend
@@ -57,7 +58,8 @@ def test_prepack_keeps_a_shared_weight_for_its_other_owner():
 
 def test_backend_resolution_and_errors():
     cpu = torch.device("cpu")
-    expected = "hybrid" if load_gemv_kernel() is not None else "onednn"
+    expected = ("onednn" if load_gemv_kernel() is None
+                else "amx" if cpu_amx.load_kernel() is not None else "hybrid")
     assert resolve_linear_backend("auto", cpu, torch.float32) == expected
     assert resolve_linear_backend("auto", cpu, torch.bfloat16) == "torch"
     assert resolve_linear_backend("torch", cpu, torch.float32) == "torch"

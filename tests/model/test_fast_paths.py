@@ -1,6 +1,7 @@
-"""The optimized CPU paths (oneDNN packed linears, the paged C++ decode kernel, fused norm,
-rotary and SiLU·mul, the decode plan) give the same greedy tokens as the pure reference
-path, across batch sizes, chunked prefill and prefix-cache hits. HF parity of the default
+"""The optimized CPU paths (oneDNN packed linears, the AMX tile linears where the CPU has
+them, the paged C++ decode kernel, fused norm, rotary and SiLU·mul, the decode plan) give the
+same greedy tokens as the pure reference path, across batch sizes, chunked prefill and
+prefix-cache hits. HF parity of the default
 (fast) path is in test_hf_parity.py."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from tests.helpers.gil import longest_stall_beside
 from tests.helpers.oracle import assert_kv_clean
 from tokenmill.attention.cpu_paged import load_kernel
+from tokenmill.layers.cpu_amx import load_kernel as load_amx_kernel
 from tokenmill.layers.cpu_fused import load_kernel as load_fused_kernel
 from tokenmill.layers.cpu_gemv import GEMV_COMPACT_MAX_ROWS, GEMV_MAX_ROWS
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
@@ -44,8 +46,13 @@ def fast_path_active(llm) -> bool:
     kernel = "cpu_paged" if load_kernel() is not None else "torch"
     gemv = load_gemv_kernel() is not None
     fused = load_fused_kernel() is not None
+    # the layers' Q4_1 weights are two bf16 numbers each: AMX tiles instead of oneDNN's
+    # layout where the CPU has them; the Q8_0 lm_head is not, and keeps oneDNN
+    amx = gemv and load_amx_kernel() is not None
     return (layer.self_attn.backend.name == kernel
-            and layer.mlp.gate_up_proj.packed_weight is not None
+            and (layer.mlp.gate_up_proj.amx_weight is not None) == amx
+            and (layer.mlp.gate_up_proj.packed_weight is not None) == (not amx)
+            and model.lm_head.amx_weight is None
             and model.lm_head.packed_weight is not None
             and layer.mlp.gate_up_proj.has_gemv_panels == gemv
             and model.lm_head.has_gemv_panels == gemv

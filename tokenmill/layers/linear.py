@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.huge_pages import to_huge_pages
+from tokenmill.layers import cpu_amx
 from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS, GEMV_COMPACT_MAX_ROWS, gemv_supported
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 
-LINEAR_BACKENDS = ("auto", "torch", "onednn", "hybrid")
+LINEAR_BACKENDS = ("auto", "torch", "onednn", "hybrid", "amx")
 # oneDNN picks its blocked layout for an expected batch size; 16 was as good as any other at
 # every M from 1 to 512 in a sweep on the target CPU (M is the number of tokens in the step).
 _ONEDNN_BATCH_HINT = 16
@@ -40,21 +41,26 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto": "hybrid" for fp32 on CPU when the kernel compiles, else "onednn" there, and
-    F.linear elsewhere."""
+    """"auto": for fp32 on CPU, "amx" where the CPU has the tiles and both kernels compile, else
+    "hybrid" when the small-step kernel compiles, else "onednn"; F.linear elsewhere."""
     if name not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend: unknown backend {name!r} "
                          f"(known: {', '.join(LINEAR_BACKENDS)})")
     if name == "auto":
         if not onednn_available(device, dtype):
             return "torch"
-        return "hybrid" if load_gemv_kernel() is not None else "onednn"
-    if name in ("onednn", "hybrid") and not onednn_available(device, dtype):
+        if load_gemv_kernel() is None:
+            return "onednn"
+        return "amx" if cpu_amx.load_kernel() is not None else "hybrid"
+    if name in ("onednn", "hybrid", "amx") and not onednn_available(device, dtype):
         raise ValueError(f"linear_backend: {name!r} needs float32 on CPU with oneDNN, got "
                          f"{dtype} on {torch.device(device).type}")
-    if name == "hybrid" and load_gemv_kernel() is None:
-        raise ValueError("linear_backend: 'hybrid' needs the cpu_gemv kernel, which did not "
+    if name in ("hybrid", "amx") and load_gemv_kernel() is None:
+        raise ValueError(f"linear_backend: {name!r} needs the cpu_gemv kernel, which did not "
                          "compile (see the warning above)")
+    if name == "amx" and cpu_amx.load_kernel() is None:
+        raise ValueError("linear_backend: 'amx' needs a CPU with AMX bf16 tiles and its kernel "
+                         "(see the warning above if it did not compile)")
     return name
 
 
@@ -70,11 +76,15 @@ class Linear(nn.Module):
         self.gemv_weight: torch.Tensor | None = None     # cpu_gemv panels, set by prepack()
         #   (none where the compact ones below take every step the kernel takes)
         self.gemv_compact: torch.Tensor | None = None    # the same in Q4_1/Q8_0 blocks, if exact
+        self.amx_weight: torch.Tensor | None = None      # cpu_amx bf16 tiles, if exact
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         if self.has_gemv_panels and x.shape[0] <= GEMV_MAX_ROWS:
             panels = self.small_step_panels(x.shape[0])
             out = load_gemv_kernel().gemv_linear(x.contiguous(), panels)
+            return out if self.bias is None else out.add_(self.bias)
+        if self.amx_weight is not None:
+            out = cpu_amx.load_kernel().amx_linear(x.contiguous(), self.amx_weight)
             return out if self.bias is None else out.add_(self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight,
@@ -94,12 +104,13 @@ class Linear(nn.Module):
             return compact
         return self.gemv_weight
 
-    def prepack(self, gemv: bool = False, compact: bool = False) -> None:
+    def prepack(self, gemv: bool = False, compact: bool = False, amx: bool = False) -> None:
         """Reorder the loaded weight for oneDNN (and, with `gemv`, into the small-M kernel's
         panels where its shape allows; with `compact` as well, Q4_1 or Q8_0 panels where they
         rebuild every weight exactly, and then no fp32 panels if those take every step the
-        kernel takes) and drop the plain copy; a weight shared with another module (a tied
-        lm_head) lives on there."""
+        kernel takes; with `amx`, into AMX tiles instead of oneDNN's layout where those hold
+        every weight exactly) and drop the plain copy; a weight shared with another module (a
+        tied lm_head) lives on there."""
         if gemv and gemv_supported(self.weight):   # streamed whole every decode step
             kernel = load_gemv_kernel()
             if compact:
@@ -108,8 +119,11 @@ class Linear(nn.Module):
                        and GEMV_COMPACT_MAX_ROWS[self.gemv_compact.dtype] >= GEMV_MAX_ROWS)
             if not covered:   # fp32 panels for the steps compact ones do not take
                 self.gemv_weight = to_huge_pages(kernel.pack_gemv_weight(self.weight.detach()))
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
-                                                                     _ONEDNN_BATCH_HINT)
+        if amx:
+            self.amx_weight = cpu_amx.pack_amx_weight(self.weight.detach())
+        if self.amx_weight is None:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
+                                                                         _ONEDNN_BATCH_HINT)
         del self.weight
         self.weight = None
 
@@ -147,11 +161,12 @@ def _compact_panels(kernel, weight: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def prepack_linears(model: nn.Module, gemv: bool = False, compact: bool = False) -> int:
+def prepack_linears(model: nn.Module, gemv: bool = False, compact: bool = False,
+                    amx: bool = False) -> int:
     """Switch every Linear in `model` to the oneDNN path (and with `gemv`, the small-M kernel
-    for short steps; `compact`: its compact panels where exact); returns how many were
-    packed."""
+    for short steps; `compact`: its compact panels where exact; `amx`: the AMX tiles instead
+    of oneDNN where exact); returns how many were packed."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     for module in linears:
-        module.prepack(gemv, compact)
+        module.prepack(gemv, compact, amx)
     return len(linears)

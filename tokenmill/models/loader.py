@@ -11,7 +11,7 @@ from torch import nn
 from tokenmill.attention import cpu_paged
 from tokenmill.attention.registry import resolve_backend_name
 from tokenmill.kernels.cpp_build import load_in_parallel
-from tokenmill.layers import cpu_fused, cpu_gemv
+from tokenmill.layers import cpu_amx, cpu_fused, cpu_gemv
 from tokenmill.layers.cpu_fused import enable_fused_elementwise, resolve_elementwise_backend
 from tokenmill.layers.linear import prepack_linears, resolve_linear_backend
 from tokenmill.models import decode_plan, gguf_loader
@@ -19,7 +19,8 @@ from tokenmill.models.registry import model_class
 from tokenmill.models.spec import ModelSpec, spec_from_hf_config
 
 # The C++ kernels a CPU fp32 model may run (attention, linears, elementwise, decode loop).
-CPU_KERNELS = [cpu_paged.KERNEL, cpu_gemv.KERNEL, cpu_fused.KERNEL, decode_plan.LOOP]
+CPU_KERNELS = [cpu_paged.KERNEL, cpu_gemv.KERNEL, cpu_fused.KERNEL, decode_plan.LOOP,
+               cpu_amx.KERNEL]
 
 
 def _iter_safetensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -50,7 +51,8 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
 
     The backends are names from attention/registry.py, layers/linear.py and layers/cpu_fused.py
     ("auto" picks the fastest that runs here); "onednn" linears are packed once the weights
-    are in, and "hybrid" ones with `compact_panels` also get Q4_1/Q8_0 panels where exact.
+    are in, and "hybrid" ones with `compact_panels` also get Q4_1/Q8_0 panels where exact;
+    "amx" ones are "hybrid" with AMX tiles in place of oneDNN's layout where exact.
 
     Returns the model, its spec and the resolved max_model_len.
     """
@@ -75,8 +77,9 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
             torch.set_default_dtype(previous)
     model.load_weights((name, w.to(device)) for name, w in weights)
     linear = resolve_linear_backend(linear_backend, device, dtype)
-    if linear in ("onednn", "hybrid"):
-        prepack_linears(model, gemv=linear == "hybrid", compact=compact_panels)
+    if linear in ("onednn", "hybrid", "amx"):
+        prepack_linears(model, gemv=linear in ("hybrid", "amx"), compact=compact_panels,
+                        amx=linear == "amx")
     if resolve_elementwise_backend(elementwise_backend, device, dtype) == "cpu_fused":
         enable_fused_elementwise(model)
     model.build_decode_plan()

@@ -1,0 +1,97 @@
+"""The AMX tile linear (layers/cpu_amx) against the float64 product and F.linear, the weights
+it refuses, and the Linear that routes long steps to it. Runs only where the CPU has AMX
+bf16 tiles (a Sapphire Rapids-class Xeon); elsewhere the "amx" backend is never chosen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from tests.helpers.gil import longest_stall_beside
+from tokenmill.layers.cpu_amx import load_kernel, pack_amx_weight
+from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS
+from tokenmill.layers.linear import Linear
+
+pytestmark = pytest.mark.skipif(load_kernel() is None,
+                                reason="no AMX bf16 tiles on this CPU (or no C++ compiler)")
+
+
+def two_bf16_weight(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """fp16 values (11 significant bits) as fp32: each is exactly hi + lo in bf16."""
+    return (torch.randn(rows, cols, generator=gen) * 0.1).half().float()
+
+
+def max_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> float:
+    return (got.double() - x.double() @ weight.double().T).abs().max().item()
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 300), blocks=st.integers(1, 20), col_tiles=st.integers(1, 13),
+       seed=st.integers(0, 2**16))
+def test_as_accurate_as_an_fp32_gemm(rows, blocks, col_tiles, seed):
+    """Exact products summed in fp32: no further from the float64 product than F.linear's
+    fp32 GEMM (within a factor of two: the sums run in another order), at every shape the
+    tiles cut, partial row tiles and one or two leftover column tiles included."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = two_bf16_weight(col_tiles * 16, blocks * 32, gen)
+    x = torch.randn(rows, blocks * 32, generator=gen)
+    packed = pack_amx_weight(weight)
+    assert packed is not None
+    got = load_kernel().amx_linear(x, packed)
+    assert got.shape == (rows, col_tiles * 16)
+    reference_error = max_error(F.linear(x, weight), x, weight)
+    assert max_error(got, x, weight) <= 2 * reference_error + 1e-6
+
+
+def test_bf16_and_q4_1_weights_are_taken_and_exact():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 64, generator=gen)
+    bf16 = torch.randn(48, 64, generator=gen).bfloat16().float()   # one bf16 number each
+    levels = torch.randint(0, 16, (48, 64), generator=gen).float()
+    step, low = torch.tensor([0.0123, -0.0987]).half().float()   # Q4_1 keeps them in fp16
+    q4_1 = levels * step + low   # d * q + m in fp32, as a Q4_1 GGUF loads
+    for weight in (bf16, q4_1):
+        packed = pack_amx_weight(weight)
+        assert packed is not None
+        assert max_error(load_kernel().amx_linear(x, packed), x, weight) <= \
+            2 * max_error(F.linear(x, weight), x, weight) + 1e-6
+
+
+@pytest.mark.parametrize("weight", [
+    torch.randn(32, 64, generator=torch.Generator().manual_seed(1)),   # 24-bit fp32 values
+    torch.ones(24, 64).half().float(),     # 24 rows: not whole 16-column tiles
+    torch.ones(32, 48).half().float(),     # 48 inputs: not whole 32-step tiles
+    torch.full((16, 32), 1.0 + 2.0 ** -10) * 2.0 ** -120,   # lo a bf16 subnormal
+], ids=["fp32", "rows", "inputs", "subnormal"])
+def test_weights_it_cannot_take_exactly_are_refused(weight):
+    assert pack_amx_weight(weight) is None
+
+
+def test_linear_routes_long_steps_to_the_tiles_and_keeps_onednn_for_other_weights():
+    gen = torch.Generator().manual_seed(5)
+    exact, plain = Linear(96, 64, bias=True), Linear(96, 64)
+    exact.weight.data.copy_(two_bf16_weight(64, 96, gen))
+    exact.bias.data.copy_(torch.randn(64, generator=gen))
+    plain.weight.data.copy_(torch.randn(64, 96, generator=gen))
+    weights = {id(m): m.weight.detach().clone() for m in (exact, plain)}
+    for module in (exact, plain):
+        module.prepack(gemv=True, compact=False, amx=True)
+    assert exact.amx_weight is not None and exact.packed_weight is None
+    assert plain.amx_weight is None and plain.packed_weight is not None
+    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 700):
+        x = torch.randn(rows, 96, generator=gen)
+        for module, bias in ((exact, exact.bias), (plain, None)):
+            expected = F.linear(x, weights[id(module)], bias)
+            torch.testing.assert_close(module(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_lets_other_threads_run():
+    """The server's event loop streams tokens while the engine thread is in the kernel."""
+    gen = torch.Generator().manual_seed(7)
+    packed = pack_amx_weight(two_bf16_weight(3072, 1024, gen))
+    x = torch.randn(1024, 1024, generator=gen)
+    duration, stall = longest_stall_beside(
+        lambda: [load_kernel().amx_linear(x, packed) for _ in range(3)])
+    assert stall < duration / 4, (stall, duration)

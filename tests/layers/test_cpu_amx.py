@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from tests.helpers.gil import longest_stall_beside
-from tokenmill.layers.cpu_amx import load_kernel, pack_amx_weight
+from tokenmill.layers.cpu_amx import AMX_MIN_ROWS, load_kernel, pack_amx_weight
 from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS
 from tokenmill.layers.linear import Linear
 
@@ -80,7 +80,7 @@ def test_linear_routes_long_steps_to_the_tiles_and_keeps_onednn_for_other_weight
         module.prepack(gemv=True, compact=False, amx=True)
     assert exact.amx_weight is not None and exact.packed_weight is None
     assert plain.amx_weight is None and plain.packed_weight is not None
-    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 700):
+    for rows in (1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 700):
         x = torch.randn(rows, 96, generator=gen)
         for module, bias in ((exact, exact.bias), (plain, None)):
             expected = F.linear(x, weights[id(module)], bias)

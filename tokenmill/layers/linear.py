@@ -79,8 +79,10 @@ class Linear(nn.Module):
         self.amx_weight: torch.Tensor | None = None      # cpu_amx bf16 tiles, if exact
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
-        if self.has_gemv_panels and x.shape[0] <= GEMV_MAX_ROWS:
-            panels = self.small_step_panels(x.shape[0])
+        rows = x.shape[0]
+        if (self.has_gemv_panels and rows <= GEMV_MAX_ROWS
+                and (self.amx_weight is None or rows < cpu_amx.AMX_MIN_ROWS)):
+            panels = self.small_step_panels(rows)
             out = load_gemv_kernel().gemv_linear(x.contiguous(), panels)
             return out if self.bias is None else out.add_(self.bias)
         if self.amx_weight is not None:

@@ -5,10 +5,10 @@
 // checkpoints); pack_amx_weight checks each one and returns an empty tensor otherwise. Each
 // row of x is split into three bf16 numbers, hi + mid + lo, which hold its 24 bits exactly.
 // A bf16 product is exact in fp32 and the tile unit sums in fp32, so x . w is the sum of the
-// term products: five of the six are computed; x.lo * w.lo, below 2^-25 of |x w|, is left out,
-// under the rounding of the fp32 sums themselves. The result is as accurate as an fp32 GEMM
-// (tests/layers/test_cpu_amx.py: closer to the float64 product than F.linear), not bitwise
-// the same: it sums in another order.
+// term products: five of the six are computed; x.lo * w.lo, at most 2^-24 of |x w| (fp32's
+// unit roundoff), is left out. The result is as accurate as an fp32 GEMM (tests/layers/
+// test_cpu_amx.py: within twice F.linear's distance from the float64 product, mostly
+// closer), not bitwise the same: it sums in another order.
 //
 // Tiles: 16 rows x 64 bytes. Three accumulators (16 rows x 48 columns of y), three weight
 // tiles (one per 16 columns) and two x tiles, taken in turn so that a load overlaps the
@@ -17,8 +17,10 @@
 // The work items are (a block of row tiles, three column tiles): a block's split rows
 // (~768 KB) stay in L2 while the column groups pass over them.
 //
-// On a 2-core Sapphire Rapids-class Xeon, SmolLM2's 2048-row GEMMs ran 1.3-1.6x faster than
-// oneDNN's packed fp32 GEMM (docs/benchmarks.md, twenty-seventh session).
+// On a 2-core Sapphire Rapids-class VM, SmolLM2's four layer GEMMs at 2048 rows against
+// oneDNN's packed fp32 GEMM, alternating: 1.11-1.15x in the median pair, 1.58x at best (the
+// VM's tile unit ran at 1.0-2.2 TFLOP/s a core from minute to minute); prefill steps
+// 1.21x (median) faster end to end (docs/benchmarks.md, twenty-seventh session).
 
 #include <algorithm>
 #include <atomic>

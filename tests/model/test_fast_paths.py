@@ -1,8 +1,7 @@
 """The optimized CPU paths (oneDNN packed linears, the AMX tile linears where the CPU has
 them, the paged C++ decode kernel, fused norm, rotary and SiLU·mul, the decode plan) give the
 same greedy tokens as the pure reference path, across batch sizes, chunked prefill and
-prefix-cache hits. HF parity of the default
-(fast) path is in test_hf_parity.py."""
+prefix-cache hits. HF parity of the default (fast) path is in test_hf_parity.py."""
 
 from __future__ import annotations
 

@@ -19,8 +19,8 @@
 //
 // On a 2-core Sapphire Rapids-class VM, SmolLM2's four layer GEMMs at 2048 rows against
 // oneDNN's packed fp32 GEMM, alternating: 1.11-1.15x in the median pair, 1.58x at best (the
-// VM's tile unit ran at 1.0-2.2 TFLOP/s a core from minute to minute); prefill steps
-// 1.21x (median) faster end to end (docs/benchmarks.md, twenty-seventh session).
+// VM's tile unit ran at 0.9-2.4 TFLOP/s a core from minute to minute); offline prefill
+// 1.07-1.21x in paired medians (docs/benchmarks.md, twenty-seventh session).
 
 #include <algorithm>
 #include <atomic>

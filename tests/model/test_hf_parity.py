@@ -16,6 +16,13 @@ RAW_PROMPTS = [
     "Once upon a time, in a small village at the edge of a dark forest, there lived",
     "Les montagnes les plus hautes du monde sont",
     "1, 2, 3, 5, 8, 13,",
+    # over 80 tokens: a step of its own that long runs the linears on the AMX tiles where the
+    # CPU has them (layers/cpu_amx.py)
+    "The mill stood by the river for three hundred years. Every spring the water rose and "
+    "turned the great wheel faster, and the miller's family worked from dawn until the lamps "
+    "were lit, grinding wheat and rye for the villages along the valley. Travellers who "
+    "crossed the old stone bridge would stop to watch the wheel, and children dared each "
+    "other to touch the cold spray. When the railway came, the miller's grandson",
 ]
 CHAT_PROMPTS = [
     "What is the boiling point of water at sea level?",
@@ -49,7 +56,7 @@ def test_greedy_matches_transformers(llm, hf_oracle, prompt_ids):
 
 def test_prompt_logprobs_match_transformers(llm, hf_oracle, prompt_ids):
     import torch
-    ids = prompt_ids[2]
+    ids = max(prompt_ids, key=len)   # prefilled alone, in one step of its whole length
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
     with torch.inference_mode():

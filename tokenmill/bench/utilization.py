@@ -34,7 +34,7 @@ class ModelCost:
         attention = h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * h
         mlp = 3 * h * spec.intermediate_size
         return cls(params=spec.num_layers * (attention + mlp) + spec.vocab_size * h,
-                   kv_bytes_per_token=spec.kv_bytes_per_token * 4)   # its count, fp32
+                   kv_bytes_per_token=spec.kv_elements_per_token * 4)   # fp32
 
     @property
     def flops_per_token(self) -> int:

@@ -29,8 +29,8 @@ class ModelSpec:
     bos_token_id: int | None = None
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token across layers, for 4-byte elements (scaled by dtype later)."""
+    def kv_elements_per_token(self) -> int:
+        """Elements of K and V per token across layers (times the cache dtype's size: bytes)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 

@@ -59,7 +59,7 @@ class Worker:
     @property
     def bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return self.cache_config.block_size * self.spec.kv_bytes_per_token * element
+        return self.cache_config.block_size * self.spec.kv_elements_per_token * element
 
     def _num_kv_blocks(self) -> int:
         config = self.cache_config

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from tests.helpers.gil import longest_stall_beside
 from tokenmill.layers.cpu_amx import AMX_MIN_ROWS, load_kernel, pack_amx_weight
 from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS
+from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(load_kernel() is None,
@@ -85,6 +86,12 @@ def test_linear_routes_long_steps_to_the_tiles_and_keeps_onednn_for_other_weight
         for module, bias in ((exact, exact.bias), (plain, None)):
             expected = F.linear(x, weights[id(module)], bias)
             torch.testing.assert_close(module(x), expected, rtol=1e-5, atol=1e-5)
+        # the route itself: bitwise the kernel that should have taken the step
+        if rows >= AMX_MIN_ROWS:
+            routed = load_kernel().amx_linear(x, exact.amx_weight)
+        else:
+            routed = load_gemv_kernel().gemv_linear(x, exact.small_step_panels(rows))
+        assert torch.equal(exact(x), routed.add_(exact.bias))
 
 
 def test_kernel_lets_other_threads_run():

@@ -1,6 +1,6 @@
 """Linear layers. Weights are [out_features, in_features], as in Hugging Face checkpoints.
 
-Two ways to run them (`linear_backend`):
+Ways to run them (`linear_backend`):
 - "torch": F.linear on the plain weight (MKL sgemm on CPU); the reference.
 - "onednn": the weight reordered once, after loading, into oneDNN's blocked layout and run with
   oneDNN's packed GEMM. On CPU fp32 this was 1.2-2.5x faster than F.linear for the decode-sized
@@ -15,6 +15,11 @@ Two ways to run them (`linear_backend`):
   for steps of at most GEMV_COMPACT_MAX_ROWS tokens: the same fp32 values and output, for a
   fifth (Q4_1) or a quarter (Q8_0) of the bytes to stream. Where those take every step the
   kernel takes (AVX-512), the fp32 panels are not kept: SmolLM2 loads ~540 MB lighter.
+- "amx": "hybrid", with steps of AMX_MIN_ROWS tokens and more on the AMX tile unit
+  (layers/cpu_amx.py; decode-only steps keep the small-M kernel through the decode plan) for
+  weights that are exactly two bf16 numbers each (a Q4_1 GGUF's layers are): exact products
+  summed in fp32, as accurate as oneDNN's fp32 GEMM. Those weights keep no oneDNN copy; the
+  others do.
 """
 
 from __future__ import annotations

@@ -44,11 +44,11 @@ class ModelConfig:
                                "the AMX tiles, for weights that are exactly two bf16 numbers "
                                "each (exact products, fp32 sums); 'onednn': oneDNN only)",
                                ("auto", "torch", "onednn", "hybrid", "amx"))
-    compact_panels: bool = _opt(True, "with the 'hybrid' or 'amx' linears, also keep weights that are "
-                                "exactly GGUF Q4_1 or Q8_0 values (as such a model loads) in "
-                                "their blocks for steps of at most 10 tokens: the same fp32 "
-                                "values and output bit for bit, a fifth or a quarter of the "
-                                "bytes to stream")
+    compact_panels: bool = _opt(True, "with the 'hybrid' or 'amx' linears, also keep weights "
+                                "that are exactly GGUF Q4_1 or Q8_0 values (as such a model "
+                                "loads) in their blocks for steps of at most 10 tokens: the "
+                                "same fp32 values and output bit for bit, a fifth or a quarter "
+                                "of the bytes to stream")
     elementwise_backend: str = _opt("auto", "RMSNorm, rotary and SiLU·mul ('auto': fused C++ "
                                     "kernels for float32 on CPU when they compile, else "
                                     "torch ops)",

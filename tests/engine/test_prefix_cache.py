@@ -68,6 +68,26 @@ def test_multi_turn_chat_reuses_every_earlier_turn(llm, cache_off):
     assert_kv_clean(llm)
 
 
+def test_a_continued_conversation_computes_only_its_new_tokens(llm, cache_off):
+    """Token-exact hits: the previous turn's partly filled last block is taken over, so a turn
+    computes its new tokens and the one token the last turn sampled but never fed back."""
+    tokenizer = llm.get_tokenizer()
+    tokens = tokenizer.encode(SYSTEM + "Question: can I renew a book online?")
+    params = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)
+    computed_before = None
+    for turn, question in enumerate([" Thanks. And by phone?", " What about e-books?", ""]):
+        on = llm.generate({"prompt_token_ids": tokens}, params)[0]
+        off = cache_off.generate({"prompt_token_ids": tokens}, params)[0]
+        assert on.outputs[0].token_ids == off.outputs[0].token_ids
+        if computed_before is not None:
+            assert on.num_cached_tokens == computed_before, f"turn {turn + 1}"
+        output = list(on.outputs[0].token_ids)
+        computed_before = len(tokens) + len(output) - 1
+        assert computed_before % 16, "a whole last block would not test a tail"
+        tokens = tokens + output + tokenizer.encode(question)
+    assert_kv_clean(llm)
+
+
 def test_eviction_under_pressure_keeps_output(make_llm, cache_off):
     llm = make_llm(num_kv_blocks=48, max_model_len=512)
     prompts = [chats(q) for q in QUESTIONS]

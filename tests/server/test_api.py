@@ -145,7 +145,9 @@ def test_cached_tokens_on_repeated_prefix(client):
                                        max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached >= first.usage.prompt_tokens - 32 and cached % 16 == 0
+    # token-exact: the document and "Question" (the first request's partly filled last block
+    # is taken over), not the words after it
+    assert first.usage.prompt_tokens - 3 <= cached < second.usage.prompt_tokens
 
 
 def test_extra_parameters_accepted(client):

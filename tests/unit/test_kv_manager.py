@@ -80,7 +80,7 @@ def test_adopted_prefix_is_shared_and_locked():
     assert match.block_ids == cached and len(blocks) == 1
     assert kv.block_ids("b") == cached + blocks
     assert second.num_computed_tokens == 8
-    assert kv.tree.num_evictable_blocks == 0     # the adopted path is locked
+    assert kv.tree.num_evictable_blocks == 1     # the adopted path is locked; "a"'s tail is not
     assert all(kv.pool.ref_counts[b] == 1 for b in kv.block_ids("b"))
     # Fill the rest of the pool: the locked prefix must survive the pressure.
     third = make_request("c", [70 + i for i in range(12)])
@@ -106,7 +106,7 @@ def test_failed_allocation_changes_nothing():
 def test_eviction_under_pressure_takes_least_recently_matched_leaf():
     kv = KVCacheManager(num_blocks=4, block_size=2, prefix_cache=True)
     for rid, base in (("a", 10), ("b", 20), ("c", 30)):
-        run_to_end(kv, make_request(rid, [base, base + 1, base + 2]))   # one cached block each
+        run_to_end(kv, make_request(rid, [base, base + 1]))   # one cached block each, no tail
     a_block = kv.tree.match([10, 11], ("x",))[1]
     assert a_block == []                                                 # other namespace
     a_block = kv.lookup(make_request("a2", [10, 11, 12])).block_ids      # touches "a"
@@ -170,9 +170,78 @@ def test_usage_counts_only_blocks_held_by_requests():
     assert kv.usage == 0.75
     compute(kv, request, 5)
     kv.free(request)
-    assert kv.usage == 0.0 and kv.tree.num_cached_blocks == 2
+    assert kv.usage == 0.0 and kv.tree.num_cached_blocks == 3   # two whole blocks, a tail
     kv.evict_all()
     assert kv.pool.num_free == 4 and kv.tree.num_cached_blocks == 0
+
+
+def test_a_finished_requests_partial_block_is_taken_over_by_its_continuation():
+    kv = KVCacheManager(num_blocks=8, block_size=4, prefix_cache=True)
+    run_to_end(kv, make_request("a", list(range(10))))       # two whole blocks and [8, 9]
+    tail_block = kv.tree.node_of(kv.tree.match(list(range(8)), (None,))[1][-1]).tails[(8, 9)]
+    assert kv.tree.num_cached_blocks == 3 and kv.tree.num_evictable_blocks == 3
+    nxt = make_request("b", list(range(10)) + [50, 51])       # the next turn of the chat
+    match, blocks = admit(kv, nxt)
+    assert match.tail is tail_block and match.num_tokens(4) == 10
+    assert nxt.num_computed_tokens == 10 and len(blocks) == 0   # [8, 9, 50, 51] fills it
+    assert kv.block_ids("b") == match.block_ids + tail_block.block_ids
+    assert not kv.tree.contains_block(tail_block.block_ids[0])   # b's own now: never shared
+    kv.check_integrity()
+    compute(kv, nxt, 2)
+    kv.free(nxt)
+    assert kv.tree.num_cached_blocks == 3 and kv.pool.num_free == 5   # [8, 9, 50, 51] whole
+    kv.check_integrity()
+
+
+def test_a_tail_gives_the_tokens_a_prompt_shares_with_it():
+    kv = KVCacheManager(num_blocks=8, block_size=4, prefix_cache=True)
+    run_to_end(kv, make_request("a", [1, 2, 3, 4, 5, 6, 7]))    # tail [5, 6, 7]
+    match, blocks = admit(kv, make_request("b", [1, 2, 3, 4, 5, 6, 9, 9, 9]))
+    assert match.num_tokens(4) == 6 and match.tail_tokens == 2 and len(blocks) == 1
+    assert kv.lookup(make_request("c", [1, 2, 3, 4, 5, 6, 7, 8])).tail is None   # taken
+    assert kv.lookup(make_request("d", [1, 2, 3, 4, 5])).tail is None   # one token left to do
+    kv.check_integrity()
+
+
+def test_a_failed_allocation_leaves_the_tail_cached():
+    kv = KVCacheManager(num_blocks=3, block_size=4, prefix_cache=True)
+    run_to_end(kv, make_request("a", [1, 2, 3, 4, 5, 6]))       # block [1-4] and tail [5, 6]
+    before = (kv.pool.num_free, kv.tree.num_evictable_blocks, kv.tree.num_cached_blocks)
+    big = make_request("b", [1, 2, 3, 4, 5, 6] + list(range(10, 20)))
+    match, blocks = admit(kv, big)
+    assert match.tail is not None and blocks is None            # needs 4 blocks of 3
+    assert (kv.pool.num_free, kv.tree.num_evictable_blocks, kv.tree.num_cached_blocks) == before
+    assert kv.lookup(make_request("c", [1, 2, 3, 4, 5, 6, 7])).tail_tokens == 2
+    kv.check_integrity()
+
+
+def test_a_preempted_request_resumes_from_its_own_tail():
+    kv = KVCacheManager(num_blocks=8, block_size=4, prefix_cache=True)
+    request = make_request("a", list(range(11)))
+    admit(kv, request, num_new=6)
+    compute(kv, request, 6)                                      # [0-3] and [4, 5]
+    kv.free(request)                                             # preempted
+    request.num_computed_tokens = 0
+    match, blocks = admit(kv, request)
+    assert match.num_tokens(4) == 6 and request.num_computed_tokens == 6
+    kv.check_integrity()
+
+
+def test_tails_are_evicted_before_their_blocks_and_kept_only_once():
+    kv = KVCacheManager(num_blocks=4, block_size=4, prefix_cache=True)
+    run_to_end(kv, make_request("a", [1, 2, 3, 4, 5]))          # [1-4], tail [5]
+    run_to_end(kv, make_request("b", [1, 2, 3, 4, 5, 6]))       # takes [5], leaves [5, 6]
+    run_to_end(kv, make_request("c", [1, 2, 3, 4, 5]))          # [5] is in [5, 6]: not kept
+    assert kv.tree.num_cached_blocks == 2 and kv.pool.num_free == 2
+    kv.evict_all()
+    assert kv.tree.num_cached_blocks == 0 and kv.pool.num_free == 4
+    kv.check_integrity()
+
+
+def test_no_tails_without_the_prefix_cache():
+    kv = KVCacheManager(num_blocks=4, block_size=4, prefix_cache=False)
+    run_to_end(kv, make_request("a", [1, 2, 3, 4, 5]))
+    assert kv.tree.num_cached_blocks == 0 and kv.pool.num_free == 4
 
 
 # ---- property: random scheduler-like operation sequences ----------------------------------
@@ -188,6 +257,13 @@ def prompts(draw, max_len: int) -> list[int]:
     k = draw(st.integers(0, max_len))
     tail = draw(st.lists(st.integers(0, 2), min_size=1 if k == 0 else 0, max_size=max_len - k))
     return base[:k] + tail
+
+
+def _shared_length(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class KVManagerMachine(RuleBasedStateMachine):
@@ -218,6 +294,25 @@ class KVManagerMachine(RuleBasedStateMachine):
     def _cached_keys(self) -> set[tuple]:
         return {self.content[b] for b in self._tree_blocks()}
 
+    def _check_tail(self, request: Request, match) -> None:
+        """The match's tail is the cached tail after its whole blocks that shares the most
+        tokens with the request's (all but its last), and it holds those tokens."""
+        start = len(match.block_ids) * self.bs
+        wanted = request.all_token_ids[start:request.num_tokens - 1]
+        best = 0
+        for block in self._tree_blocks():
+            salt, tokens = self.content[block]
+            if (salt == request.cache_salt and start < len(tokens) < start + self.bs
+                    and tokens[:start] == tuple(request.all_token_ids[:start])):
+                best = max(best, _shared_length(tokens[start:], wanted))
+        if not self.kv.prefix_cache or request.sampling_params.prompt_logprobs is not None:
+            best = 0
+        assert match.tail_tokens == best and (match.tail is None) == (best == 0)
+        if match.tail is not None:
+            salt, tokens = self.content[match.tail.block_ids[0]]
+            assert salt == request.cache_salt
+            assert tokens[:start + best] == tuple(request.all_token_ids[:start + best])
+
     def _pick(self, data, pool: dict[str, Request]) -> Request:
         return pool[data.draw(st.sampled_from(sorted(pool)))]
 
@@ -227,15 +322,19 @@ class KVManagerMachine(RuleBasedStateMachine):
     def _allocate(self, request: Request, num_new: int, match=NO_MATCH):
         """allocate() plus the checks on what it hands out."""
         rid = request.request_id
-        held = len(self.kv.block_ids(rid)) or len(match.block_ids)
-        # Matched blocks in unlocked nodes stop being evictable once the match is adopted.
+        held = len(self.kv.block_ids(rid)) or len(match.block_ids) + (match.tail is not None)
+        # Matched blocks in unlocked nodes stop being evictable once the match is adopted, and
+        # a tail once it is taken.
         newly_locked = sum(1 for b in match.block_ids if self.kv.tree.node_of(b).lock_count == 0)
-        available = self.kv.num_available_blocks - newly_locked
+        available = self.kv.num_available_blocks - newly_locked - (match.tail is not None)
         needed = self._needed(request, num_new, held)
         others = {b for r in self.running if r != rid for b in self.kv.block_ids(r)}
+        before = (self._tree_blocks(), self.kv.pool.num_free, self.kv.num_available_blocks)
         blocks = self.kv.allocate(request, num_new, match)
         assert (blocks is None) == (needed > available), (needed, available)
-        if blocks is None:
+        if blocks is None:   # and nothing changed: the tree keeps what it held, tails too
+            assert (self._tree_blocks(), self.kv.pool.num_free,
+                    self.kv.num_available_blocks) == before
             return None
         assert len(blocks) == max(needed, 0)
         for block in blocks:
@@ -247,12 +346,18 @@ class KVManagerMachine(RuleBasedStateMachine):
         return blocks
 
     def _computed(self, request: Request, num_new: int) -> None:
-        """The request computed `num_new` tokens: record what its full blocks now hold."""
+        """The request computed `num_new` tokens: record what its blocks now hold (the prefix
+        up to the block's end, or up to the last computed token in a partly filled one)."""
         request.num_computed_tokens += num_new
         table = self.kv.block_ids(request.request_id)
-        for i in range(request.num_computed_tokens // self.bs):
-            key = self._key(request, i + 1)
-            assert self.content.setdefault(table[i], key) == key, "block holds other tokens"
+        computed = request.num_computed_tokens
+        for i in range(-(-computed // self.bs)):
+            key = (request.cache_salt,
+                   tuple(request.all_token_ids[:min(computed, (i + 1) * self.bs)]))
+            old = self.content.get(table[i])
+            if old is not None and len(old[1]) == (i + 1) * self.bs:
+                assert old == key, "a full block holds other tokens"
+            self.content[table[i]] = key
         if request.num_computed_tokens == request.num_tokens:
             request.append_token(request.num_tokens % 3)   # "sample" the next token
 
@@ -308,6 +413,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         for i, block in enumerate(match.block_ids):
             assert self.kv.tree.contains_block(block)
             assert self.content[block] == self._key(request, i + 1)
+        self._check_tail(request, match)
         request.num_computed_tokens = match.num_tokens(self.bs)
         remaining = request.num_tokens - request.num_computed_tokens
         num_new = data.draw(st.integers(1, remaining))
@@ -316,7 +422,8 @@ class KVManagerMachine(RuleBasedStateMachine):
             request.num_computed_tokens = 0
             assert self.kv.block_ids(rid) == []
             return
-        assert self.kv.block_ids(rid) == match.block_ids + blocks
+        tail = [match.tail.block_ids[0]] if match.tail else []
+        assert self.kv.block_ids(rid) == match.block_ids + tail + blocks
         self.adopted[rid] = set(match.block_ids)
         self.in_tree[rid] = set(match.block_ids)
         del self.waiting[rid]
@@ -375,6 +482,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         match = self.kv.lookup(request)
         for i, block in enumerate(match.block_ids):
             assert self.content[block] == self._key(request, i + 1)
+        self._check_tail(request, match)
 
     @rule()
     def evict_all(self) -> None:
@@ -416,8 +524,9 @@ class KVManagerMachine(RuleBasedStateMachine):
         keys = [self.content[b] for b in tree_blocks]
         assert len(set(keys)) == len(keys), "a prefix is cached in two blocks"
         for namespace, tokens in keys:
-            if len(tokens) > self.bs:
-                assert (namespace, tokens[:-self.bs]) in set(keys)
+            parent = (len(tokens) - 1) // self.bs * self.bs   # a tail's: its whole blocks
+            if parent:
+                assert (namespace, tokens[:parent]) in set(keys)
 
     def teardown(self) -> None:
         if not hasattr(self, "kv"):

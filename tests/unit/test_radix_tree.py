@@ -177,6 +177,13 @@ BASES = [[(i * 7 + j * 3) % 5 for j in range(24)] for i in range(3)]
 NAMESPACES = [("a",), ("b",)]
 
 
+def _shared_length(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 @st.composite
 def token_runs(draw, max_len: int = 14) -> list[int]:
     """Token lists that often share prefixes: a prefix of a fixed base plus a short tail."""
@@ -187,13 +194,15 @@ def token_runs(draw, max_len: int = 14) -> list[int]:
 
 
 class RadixTreeMachine(RuleBasedStateMachine):
-    """Model: (namespace, token prefix of whole blocks) -> block id, kept prefix-closed."""
+    """Model: (namespace, token prefix of whole blocks) -> block id, kept prefix-closed; and
+    (namespace, whole-block prefix, tail tokens) -> block id for the tails."""
 
     @initialize(block_size=st.sampled_from([1, 2, 4]))
     def setup(self, block_size: int) -> None:
         self.bs = block_size
         self.tree = RadixTree(block_size)
         self.cached: dict[tuple, int] = {}
+        self.tails: dict[tuple, int] = {}
         self.locks: list[tuple] = []             # (node, namespace, prefix tokens)
         self.next_block = 0
 
@@ -244,6 +253,57 @@ class RadixTreeMachine(RuleBasedStateMachine):
             self.tree.lock(node)
             self.locks.append((node, namespace, tuple(tokens[:len(blocks) * self.bs])))
 
+    def _tail_parent(self, tokens: list[int], namespace):
+        """The node of `tokens`' whole blocks, when they are all cached; and the rest."""
+        whole = len(tokens) // self.bs * self.bs
+        if len(self._expected_match(tokens[:whole], namespace)) * self.bs != whole:
+            return None, tokens[whole:]
+        return self.tree.match(tokens[:whole], namespace)[0], tokens[whole:]
+
+    def _near_tail(self, data, namespace) -> list[int]:
+        """Tokens that often end in a tail: a cached run (or nothing) and a few more tokens."""
+        runs = sorted(tokens for ns, tokens in self.cached if ns == namespace)
+        head = list(data.draw(st.sampled_from(runs))) if runs and data.draw(st.booleans()) else []
+        return head + data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=self.bs))
+
+    @rule(data=st.data(), namespace=st.sampled_from(NAMESPACES))
+    def insert_tail(self, data, namespace) -> None:
+        tokens = self._near_tail(data, namespace)
+        node, rest = self._tail_parent(tokens, namespace)
+        if node is None or not rest:
+            return
+        head = (namespace, tuple(tokens[:len(tokens) - len(rest)]))
+        block, self.next_block = self.next_block, self.next_block + 1
+        ours = {key[2]: b for key, b in self.tails.items() if key[:2] == head}
+        covered = any(key[:len(rest)] == tuple(rest) for key in ours)
+        cached, dropped = self.tree.insert_tail(node, rest, block)
+        assert cached == (not covered)
+        expected_drop = [] if covered else [b for k, b in ours.items() if tuple(rest)[:len(k)] == k]
+        assert sorted(dropped) == sorted(expected_drop)
+        if cached:
+            self.tails = {k: b for k, b in self.tails.items() if b not in dropped}
+            self.tails[head + (tuple(rest),)] = block
+
+    @rule(data=st.data(), namespace=st.sampled_from(NAMESPACES), restore=st.booleans())
+    def take_tail(self, data, namespace, restore: bool) -> None:
+        tokens = self._near_tail(data, namespace)
+        node, rest = self._tail_parent(tokens, namespace)
+        if node is None:
+            return
+        head = (namespace, tuple(tokens[:len(tokens) - len(rest)]))
+        shared = {k: _shared_length(k[2], rest) for k in self.tails if k[:2] == head}
+        best = max(shared.values(), default=0)
+        tail, count = self.tree.best_tail(node, rest)
+        assert count == best and (tail is None) == (best == 0)
+        if tail is None:
+            return
+        key = head + (tail.key,)
+        assert shared[key] == best
+        assert self.tree.take_tail(tail) == self.tails.pop(key)
+        if restore:
+            self.tree.restore_tail(tail)
+            self.tails[key] = tail.block_ids[0]
+
     @precondition(lambda self: self.locks)
     @rule(data=st.data())
     def unlock(self, data) -> None:
@@ -254,29 +314,32 @@ class RadixTreeMachine(RuleBasedStateMachine):
     @rule(num=st.integers(0, 8))
     def evict(self, num: int) -> None:
         locked = self._locked_keys()
-        evictable = {key for key in self.cached if key not in locked}
+        evictable = {key for key in self.cached if key not in locked} | set(self.tails)
         freed = self.tree.evict(num)
         assert len(set(freed)) == len(freed)
-        by_block = {block: key for key, block in self.cached.items()}
+        by_block = {block: key for key, block in (*self.cached.items(), *self.tails.items())}
         freed_keys = {by_block[block] for block in freed}
         assert freed_keys <= evictable, "evicted a locked or unknown block"
         assert len(freed) >= min(num, len(evictable))
         for key in freed_keys:
-            del self.cached[key]
+            del (self.cached if key in self.cached else self.tails)[key]
 
     @invariant()
     def consistent(self) -> None:
         if not hasattr(self, "tree"):
             return
         self.tree.check_integrity(dict(Counter(id(node) for node, _, _ in self.locks)))
-        assert self.tree.num_cached_blocks == len(self.cached)
+        assert self.tree.num_cached_blocks == len(self.cached) + len(self.tails)
         for (namespace, tokens), block in self.cached.items():
             assert self.tree.contains_block(block)
             if len(tokens) > self.bs:            # prefix-closed: the parent run is cached too
                 assert (namespace, tokens[:-self.bs]) in self.cached
+        for (namespace, head, _), block in self.tails.items():
+            assert self.tree.contains_block(block) and self.tree.node_of(block).is_leaf
+            assert not head or (namespace, head) in self.cached   # its whole blocks too
         locked = self._locked_keys()
         assert locked <= set(self.cached)
-        assert self.tree.num_evictable_blocks == len(set(self.cached) - locked)
+        assert self.tree.num_evictable_blocks == len(set(self.cached) - locked) + len(self.tails)
 
 
 RadixTreeMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,

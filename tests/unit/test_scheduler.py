@@ -349,9 +349,11 @@ def test_prefix_cache_hit_skips_the_cached_prompt():
     h.run()
     h.add(make_request("b", p + [5, 6], 2, 1.0))
     out = h.step()
-    assert out.new_requests[0].num_computed_tokens == 12
-    assert out.num_scheduled_tokens["b"] == 3
-    assert h.scheduler.stats().prefix_cache_hits == 12
+    # three whole blocks, and from "a"'s tail (its last prompt token and first output) the one
+    # token "b" shares
+    assert out.new_requests[0].num_computed_tokens == 13
+    assert out.num_scheduled_tokens["b"] == 2
+    assert h.scheduler.stats().prefix_cache_hits == 13
     h.run()
     h.check_outputs()
     h.check_end()
@@ -389,6 +391,17 @@ def test_drafts_keep_the_output_and_take_back_rejected_positions(prefix_cache):
     assert h.num_steps < 40 + 2           # fewer steps than tokens: drafts were kept
     h.check_end()
     assert sorted(proposer.forgotten) == [f"r{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("stop_at", range(1, 12))
+def test_a_stop_inside_kept_drafts_caches_only_the_tokens_taken(stop_at):
+    p = prompt(3, 6)
+    eos = expected_output(p, 30)[stop_at]
+    h = Harness(proposer=ScriptedProposer(num_tokens=3, wrong_every=1000))
+    h.add(make_request("a", p, 30, 0.0, eos=eos))
+    h.run()
+    h.check_outputs({"a": eos})
+    h.check_end()
 
 
 def test_adaptive_drafts_stop_when_mostly_wrong_and_the_output_is_unchanged():

@@ -299,6 +299,10 @@ class Scheduler:
                 if request.first_token_time is None:
                     request.first_token_time = now
                 if request.check_stop(self.max_model_len):
+                    # stopped inside its kept drafts: the positions after the stop hold keys
+                    # and values of tokens the request never took
+                    request.num_computed_tokens = min(request.num_computed_tokens,
+                                                      request.num_tokens - 1)
                     break
             self.kv.commit(request)
             prompt_logprobs = result.prompt_logprobs.get(rid)

@@ -5,6 +5,11 @@ A block is in exactly one of these states: free (in the pool's free list), used 
 request locks it), or used and cached at once. Eviction happens only when an allocation needs
 more blocks than are free, and only takes unlocked tree leaves, so a block a running request
 reads is never reused.
+
+Prefix hits are token-exact, not only block-exact: a request that ends (or is preempted) with
+a partly filled last block leaves that block in the tree as a tail, and the next request
+whose prompt continues those tokens (the next turn of a chat, the request itself resumed)
+takes the block over and computes only from where the tail's tokens end.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from tokenmill.request import Request
 
 @dataclass
 class PrefixMatch:
-    block_ids: list[int]
+    block_ids: list[int]       # whole blocks, shared
     node: Node | None          # tree node to lock; None for a sibling share or no hit
+    tail: Node | None = None   # a tail to take over after the whole blocks
+    tail_tokens: int = 0       # of the tail's tokens, those the request continues
 
     def num_tokens(self, block_size: int) -> int:
-        return len(self.block_ids) * block_size
+        return len(self.block_ids) * block_size + self.tail_tokens
 
 
 NO_MATCH = PrefixMatch([], None)
@@ -91,8 +98,10 @@ class KVCacheManager:
         if request.sampling_params.prompt_logprobs is not None:
             return NO_MATCH  # every prompt position must be computed for its logprobs
         if self.prefix_cache:
-            node, blocks = self.tree.match(request.all_token_ids[:limit], namespace_of(request))
-            return PrefixMatch(blocks, node if blocks else None)
+            tokens = request.all_token_ids[:limit]
+            node, blocks = self.tree.match(tokens, namespace_of(request))
+            tail, tail_tokens = self.tree.best_tail(node, tokens[len(blocks) * self.block_size:])
+            return PrefixMatch(blocks, node if blocks else None, tail, tail_tokens)
         if source is not None and source.request_id in self._tables:
             usable = min(limit, source.num_computed_tokens, source.num_prompt_tokens)
             return PrefixMatch(self._tables[source.request_id][:usable // self.block_size], None)
@@ -110,15 +119,17 @@ class KVCacheManager:
         """
         rid = request.request_id
         table = self._tables.get(rid)
-        adopted = table is None and bool(match.block_ids)
+        adopted = table is None and (bool(match.block_ids) or match.tail is not None)
         if table is None:
             table = list(match.block_ids)
             if adopted:
-                self._adopt(rid, match)
+                self._adopt(rid, match, table)
         total_tokens = request.num_computed_tokens + num_new_tokens
         needed = -(-total_tokens // self.block_size) - len(table)
         if needed > self.num_available_blocks:
             if adopted:
+                if match.tail is not None:
+                    self.tree.restore_tail(match.tail)
                 self._release(rid, table)
             return None
         if needed > self.pool.num_free:
@@ -149,6 +160,7 @@ class KVCacheManager:
         rid = request.request_id
         table = self._tables.pop(rid, None)
         if table is not None:
+            self._keep_tail(request, table)
             self._release(rid, table)
         self._committed.pop(rid, None)
 
@@ -159,11 +171,32 @@ class KVCacheManager:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _adopt(self, rid: str, match: PrefixMatch) -> None:
+    def _adopt(self, rid: str, match: PrefixMatch, table: list[int]) -> None:
         if match.node is not None:
             self.tree.lock(match.node)
             self._locks[rid] = match.node
         self.pool.incref(match.block_ids)
+        if match.tail is not None:
+            tail_block = self.tree.take_tail(match.tail)
+            self.pool.incref([tail_block])
+            table.append(tail_block)
+
+    def _keep_tail(self, request: Request, table: list[int]) -> None:
+        """Cache the request's partly filled last block as a tail after its whole blocks (run
+        `commit` first): the tokens it holds need not be computed again."""
+        rid = request.request_id
+        num_full = self._committed.get(rid, 0)
+        num_tail = request.num_computed_tokens - num_full * self.block_size
+        if not self.prefix_cache or not 0 < num_tail < self.block_size or len(table) <= num_full:
+            return
+        block = table[num_full]
+        if self.pool.ref_counts[block] != 1 or self.tree.contains_block(block):
+            return   # not this request's own (cannot happen with the tree on; kept safe)
+        node = self._locks.get(rid) or self.tree.root(namespace_of(request))
+        start = num_full * self.block_size
+        tokens = request.all_token_ids[start:start + num_tail]
+        _, dropped = self.tree.insert_tail(node, tokens, block)
+        self.pool.put_back(dropped)
 
     def _release(self, rid: str, table: list[int]) -> None:
         # Tail blocks first, so the free list hands out a request's later blocks first.

@@ -4,6 +4,10 @@ Each edge (node) carries a run of whole blocks: `key` has `len(block_ids) * bloc
 Children are keyed by the tokens of their first block, so two children never share one. A
 namespace (LoRA adapter, cache salt) gets its own root, so its prefixes are never shared.
 
+A node may also hold tails: leaves of one partly filled block (fewer than `block_size` tokens)
+that a finished request left after the node's path, such as the end of a chat reply. A tail is
+never shared: the next request that continues it takes its block and writes on into it.
+
 Requests lock the deepest node they use; a lock counts on the node and all its ancestors, and
 only unlocked leaves are evicted, least recently used first.
 """
@@ -18,12 +22,13 @@ Namespace = Hashable
 
 
 class Node:
-    __slots__ = ("key", "block_ids", "children", "parent", "lock_count", "last_access")
+    __slots__ = ("key", "block_ids", "children", "tails", "parent", "lock_count", "last_access")
 
     def __init__(self, key: tuple[int, ...], block_ids: list[int], parent: "Node | None") -> None:
         self.key = key
         self.block_ids = block_ids
         self.children: dict[tuple[int, ...], Node] = {}
+        self.tails: dict[tuple[int, ...], Node] = {}   # keyed by their whole (short) key
         self.parent = parent
         self.lock_count = 0
         self.last_access = 0
@@ -31,6 +36,10 @@ class Node:
     @property
     def is_root(self) -> bool:
         return self.parent is None
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children and not self.tails
 
 
 class RadixTree:
@@ -77,6 +86,18 @@ class RadixTree:
         node, blocks, _ = self._walk(token_ids, namespace)
         return node, blocks
 
+    def best_tail(self, node: Node, token_ids: list[int]) -> tuple[Node | None, int]:
+        """The tail of `node` that shares the most leading tokens with `token_ids` (the tokens
+        after the node's path), and how many it shares; (None, 0) when none shares one."""
+        best, best_len = None, 0
+        for key, tail in node.tails.items():
+            shared = _common_prefix_length(key, token_ids)
+            if shared > best_len:
+                best, best_len = tail, shared
+        if best is not None:
+            best.last_access = next(self._clock)
+        return best, best_len
+
     # ---- updates -------------------------------------------------------------------------
 
     def insert(self, token_ids: list[int], block_ids: list[int],
@@ -100,6 +121,28 @@ class RadixTree:
             self._node_of_block[block] = leaf
         self.num_evictable_blocks += len(new_blocks)  # a new leaf starts unlocked
         return leaf, len(new_blocks)
+
+    def insert_tail(self, node: Node, token_ids: list[int], block: int) -> tuple[bool, list[int]]:
+        """Cache `block`, holding `token_ids` (fewer than a block's tokens), as a tail after
+        `node`. Not when a tail there already holds these tokens and more; a tail that holds
+        only a part of them is dropped. Returns (cached, blocks of the tails dropped)."""
+        key = tuple(token_ids)
+        assert 0 < len(key) < self.block_size and block not in self._node_of_block
+        if any(old[:len(key)] == key for old in node.tails):
+            return False, []
+        dropped = [self._remove_leaf(t) for k, t in list(node.tails.items()) if key[:len(k)] == k]
+        tail = Node(key, [block], node)
+        tail.last_access = next(self._clock)
+        self._attach_tail(tail)
+        return True, [b for blocks in dropped for b in blocks]
+
+    def take_tail(self, tail: Node) -> int:
+        """Remove an (unlocked) tail from the tree and hand over its block."""
+        return self._remove_leaf(tail)[0]
+
+    def restore_tail(self, tail: Node) -> None:
+        """Put back a tail just taken (its block holds the same tokens still)."""
+        self._attach_tail(tail)
 
     def lock(self, node: Node) -> None:
         for n in self._path_up(node):
@@ -176,16 +219,25 @@ class RadixTree:
             self._node_of_block[block] = head
         return head
 
+    def _attach_tail(self, tail: Node) -> None:
+        assert tail.key not in tail.parent.tails
+        tail.parent.tails[tail.key] = tail
+        self._node_of_block[tail.block_ids[0]] = tail
+        self.num_evictable_blocks += 1   # tails are never locked
+
     def _remove_leaf(self, node: Node) -> list[int]:
-        assert not node.children and node.lock_count == 0 and node.parent is not None
-        del node.parent.children[node.key[:self.block_size]]
+        assert node.is_leaf and node.lock_count == 0 and node.parent is not None
+        if len(node.key) < self.block_size:
+            del node.parent.tails[node.key]
+        else:
+            del node.parent.children[node.key[:self.block_size]]
         for block in node.block_ids:
             del self._node_of_block[block]
         self.num_evictable_blocks -= len(node.block_ids)
         return node.block_ids
 
     def _evictable(self, node: Node) -> bool:
-        return not node.is_root and not node.children and node.lock_count == 0
+        return not node.is_root and node.is_leaf and node.lock_count == 0
 
     @staticmethod
     def _path_up(node: Node):
@@ -200,6 +252,7 @@ class RadixTree:
             if not node.is_root:
                 yield node
             stack.extend(node.children.values())
+            stack.extend(node.tails.values())
 
     # ---- integrity -----------------------------------------------------------------------
 
@@ -210,8 +263,12 @@ class RadixTree:
         evictable = 0
         subtree_locks: dict[int, int] = {}
         for node in sorted(self._nodes(), key=self._depth, reverse=True):
-            assert node.block_ids and len(node.key) == len(node.block_ids) * bs
-            assert node.parent.children.get(node.key[:bs]) is node
+            if len(node.key) < bs:   # a tail
+                assert node.key and len(node.block_ids) == 1 and node.is_leaf
+                assert node.parent.tails.get(node.key) is node and node.lock_count == 0
+            else:
+                assert node.block_ids and len(node.key) == len(node.block_ids) * bs
+                assert node.parent.children.get(node.key[:bs]) is node
             for block in node.block_ids:
                 assert self._node_of_block.get(block) is node
             seen_blocks += len(node.block_ids)
@@ -229,3 +286,12 @@ class RadixTree:
         while node.parent is not None:
             node, depth = node.parent, depth + 1
         return depth
+
+
+def _common_prefix_length(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

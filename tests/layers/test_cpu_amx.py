@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from tests.helpers.gil import longest_stall_beside
-from tokenmill.layers.cpu_amx import AMX_MIN_ROWS, load_kernel, pack_amx_weight
+from tokenmill.layers.cpu_amx import AMX_MIN_ROWS, amx_linear, load_kernel, pack_amx_weight
 from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill.layers.linear import Linear
@@ -24,23 +24,38 @@ def two_bf16_weight(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
     return (torch.randn(rows, cols, generator=gen) * 0.1).half().float()
 
 
+def q4_1_weight(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Q4_1 values as a GGUF file loads them: (d * q) + m in fp32, q in 0..15, a d and m (fp16)
+    for each 32 inputs of a row (m the block's minimum, d a fifteenth of its range: both levels
+    occur)."""
+    levels = torch.randint(0, 16, (rows, cols // 32, 32), generator=gen).float()
+    levels[..., 0], levels[..., 1] = 0, 15
+    step = (torch.rand(rows, cols // 32, 1, generator=gen) * 0.01 + 1e-4).half().float()
+    low = (-7.5 * step * (1 + 0.2 * torch.randn(rows, cols // 32, 1, generator=gen))).half().float()
+    return (levels * step + low).reshape(rows, cols)
+
+
+WEIGHTS = {"two_bf16": two_bf16_weight, "q4_1": q4_1_weight}
+
+
 def max_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> float:
     return (got.double() - x.double() @ weight.double().T).abs().max().item()
 
 
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 300), blocks=st.integers(1, 20), col_tiles=st.integers(1, 13),
-       seed=st.integers(0, 2**16))
-def test_as_accurate_as_an_fp32_gemm(rows, blocks, col_tiles, seed):
+       seed=st.integers(0, 2**16), kind=st.sampled_from(sorted(WEIGHTS)))
+def test_as_accurate_as_an_fp32_gemm(rows, blocks, col_tiles, seed, kind):
     """Exact products summed in fp32: no further from the float64 product than F.linear's
     fp32 GEMM (within a factor of two: the sums run in another order), at every shape the
-    tiles cut, partial row tiles and one or two leftover column tiles included."""
+    tiles cut, partial row tiles and one or two leftover column tiles included; Q4_1 weights
+    in their factored form, the others as hi + lo tiles."""
     gen = torch.Generator().manual_seed(seed)
-    weight = two_bf16_weight(col_tiles * 16, blocks * 32, gen)
+    weight = WEIGHTS[kind](col_tiles * 16, blocks * 32, gen)
     x = torch.randn(rows, blocks * 32, generator=gen)
     packed = pack_amx_weight(weight)
-    assert packed is not None
-    got = load_kernel().amx_linear(x, packed)
+    assert packed is not None and (packed.steps is not None) == (kind == "q4_1")
+    got = amx_linear(x, packed)
     assert got.shape == (rows, col_tiles * 16)
     reference_error = max_error(F.linear(x, weight), x, weight)
     assert max_error(got, x, weight) <= 2 * reference_error + 1e-6
@@ -50,13 +65,11 @@ def test_bf16_and_q4_1_weights_are_taken_and_exact():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(40, 64, generator=gen)
     bf16 = torch.randn(48, 64, generator=gen).bfloat16().float()   # one bf16 number each
-    levels = torch.randint(0, 16, (48, 64), generator=gen).float()
-    step, low = torch.tensor([0.0123, -0.0987]).half().float()   # Q4_1 keeps them in fp16
-    q4_1 = levels * step + low   # d * q + m in fp32, as a Q4_1 GGUF loads
-    for weight in (bf16, q4_1):
-        packed = pack_amx_weight(weight)
-        assert packed is not None
-        assert max_error(load_kernel().amx_linear(x, packed), x, weight) <= \
+    q4_1 = q4_1_weight(48, 64, gen)
+    for weight, factored in ((bf16, False), (q4_1, True), (q4_1, False)):
+        packed = pack_amx_weight(weight, factored)
+        assert packed is not None and (packed.steps is not None) == factored
+        assert max_error(amx_linear(x, packed), x, weight) <= \
             2 * max_error(F.linear(x, weight), x, weight) + 1e-6
 
 
@@ -64,10 +77,15 @@ def test_bf16_and_q4_1_weights_are_taken_and_exact():
     torch.randn(32, 64, generator=torch.Generator().manual_seed(1)),   # 24-bit fp32 values
     torch.ones(24, 64).half().float(),     # 24 rows: not whole 16-column tiles
     torch.ones(32, 48).half().float(),     # 48 inputs: not whole 32-step tiles
-    torch.full((16, 32), 1.0 + 2.0 ** -10) * 2.0 ** -120,   # lo a bf16 subnormal
-], ids=["fp32", "rows", "inputs", "subnormal"])
+], ids=["fp32", "rows", "inputs"])
 def test_weights_it_cannot_take_exactly_are_refused(weight):
     assert pack_amx_weight(weight) is None
+
+
+def test_hi_lo_tiles_refuse_a_subnormal_lo():
+    weight = torch.full((16, 32), 1.0 + 2.0 ** -10) * 2.0 ** -120   # lo a bf16 subnormal
+    assert pack_amx_weight(weight, factored=False) is None
+    assert pack_amx_weight(weight).steps is not None   # as Q4_1: d = 0, m = the value
 
 
 def test_linear_routes_long_steps_to_the_tiles_and_keeps_onednn_for_other_weights():
@@ -88,17 +106,17 @@ def test_linear_routes_long_steps_to_the_tiles_and_keeps_onednn_for_other_weight
             torch.testing.assert_close(module(x), expected, rtol=1e-5, atol=1e-5)
         # the route itself: bitwise the kernel that should have taken the step
         if rows >= AMX_MIN_ROWS:
-            routed = load_kernel().amx_linear(x, exact.amx_weight)
+            routed = amx_linear(x, exact.amx_weight)
         else:
             routed = load_gemv_kernel().gemv_linear(x, exact.small_step_panels(rows))
         assert torch.equal(exact(x), routed.add_(exact.bias))
 
 
-def test_kernel_lets_other_threads_run():
+@pytest.mark.parametrize("kind", sorted(WEIGHTS))
+def test_kernel_lets_other_threads_run(kind):
     """The server's event loop streams tokens while the engine thread is in the kernel."""
     gen = torch.Generator().manual_seed(7)
-    packed = pack_amx_weight(two_bf16_weight(3072, 1024, gen))
+    packed = pack_amx_weight(WEIGHTS[kind](3072, 1024, gen))
     x = torch.randn(1024, 1024, generator=gen)
-    duration, stall = longest_stall_beside(
-        lambda: [load_kernel().amx_linear(x, packed) for _ in range(3)])
+    duration, stall = longest_stall_beside(lambda: [amx_linear(x, packed) for _ in range(3)])
     assert stall < duration / 4, (stall, duration)

@@ -240,4 +240,5 @@ class KVCacheManager:
         self.tree.check_integrity(dict(expected))
         for block, count in refs.items():
             if self.tree.contains_block(block):
-                assert self.tree.node_of(block).lock_count > 0, f"block {block} is used but its node is unlocked"
+                assert self.tree.node_of(block).lock_count > 0, (
+                    f"block {block} is used but its node is unlocked")

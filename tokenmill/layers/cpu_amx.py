@@ -1,19 +1,23 @@
 """fp32 linear on the AMX bf16 tile unit for long (prefill) steps; see cpu_amx_kernel.cpp.
 
-Weights that are exactly two bf16 numbers each (hi + lo: what a GGUF Q4_1 model loads as, and
-fp16 or bf16 checkpoints) are kept as bf16 tiles; the step's input is split into three bf16
-numbers a value, and the tile unit sums exact products in fp32: as accurate as an fp32 GEMM,
-in another order. Other weights, and CPUs without AMX, keep oneDNN.
+Weights that are exactly GGUF Q4_1 values (d q + m a block of 32 inputs) are kept as their
+levels in bf16 tiles with each block's d and m (the factored form, three tile products a
+block); other weights that are exactly two bf16 numbers each (hi + lo: fp16 or bf16
+checkpoints) as hi and lo tiles (five). The step's input is split into three bf16 numbers a
+value, and the tile unit sums exact products in fp32: as accurate as an fp32 GEMM, in another
+order. Other weights, and CPUs without AMX, keep oneDNN.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from tokenmill.kernels.cpp_build import WORK_SHARING, CpuExtension
+from tokenmill.layers.cpu_gemv import BLOCK_FORMATS
 
 # The fewest rows the tiles take where the small-M kernel's compact panels also could: below,
 # the tiles' 4 bytes a weight streamed from memory cost more than the panels' FMAs. SmolLM2's
@@ -22,8 +26,18 @@ from tokenmill.kernels.cpp_build import WORK_SHARING, CpuExtension
 AMX_MIN_ROWS = 80
 
 KERNEL = CpuExtension("tokenmill_cpu_amx", Path(__file__).with_name("cpu_amx_kernel.cpp"),
-                      ["amx_available", "pack_amx_weight", "amx_linear"], "AMX linear kernel",
-                      "oneDNN for long steps", headers=(WORK_SHARING,))
+                      ["amx_available", "pack_amx_weight", "amx_linear", "pack_amx_q4_1",
+                       "amx_linear_q4_1"], "AMX linear kernel", "oneDNN for long steps",
+                      headers=(WORK_SHARING, BLOCK_FORMATS))
+
+
+@dataclass(frozen=True)
+class AmxWeight:
+    """A weight on the tiles: Q4_1 levels with their blocks' steps and minimums, or (steps
+    and minimums None) hi + lo bf16 tiles."""
+    tiles: torch.Tensor
+    steps: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
 
 
 def load_kernel() -> ModuleType | None:
@@ -32,11 +46,23 @@ def load_kernel() -> ModuleType | None:
     return module if module is not None and module.amx_available() else None
 
 
-def pack_amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight as bf16 tiles, or None where the kernel cannot take it exactly (a weight not
-    two bf16 numbers, a shape not in whole tiles, no AMX)."""
+def pack_amx_weight(weight: torch.Tensor, factored: bool = True) -> AmxWeight | None:
+    """The weight on the tiles (in the factored Q4_1 form where it holds Q4_1 values, unless
+    not `factored`), or None where the kernel cannot take it exactly (a weight neither Q4_1
+    nor two bf16 numbers, a shape not in whole tiles, no AMX)."""
     kernel = load_kernel()
     if kernel is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
+    q4_1 = kernel.pack_amx_q4_1(weight) if factored else []
+    if q4_1:
+        return AmxWeight(*q4_1)
     packed = kernel.pack_amx_weight(weight)
-    return packed if packed.numel() else None
+    return AmxWeight(packed) if packed.numel() else None
+
+
+def amx_linear(x: torch.Tensor, weight: AmxWeight) -> torch.Tensor:
+    """x [M, K] (contiguous fp32) @ the packed weight's [N, K]^T."""
+    kernel = load_kernel()
+    if weight.steps is not None:
+        return kernel.amx_linear_q4_1(x, weight.tiles, weight.steps, weight.mins)
+    return kernel.amx_linear(x, weight.tiles)

@@ -81,7 +81,7 @@ class Linear(nn.Module):
         self.gemv_weight: torch.Tensor | None = None     # cpu_gemv panels, set by prepack()
         #   (none where the compact ones below take every step the kernel takes)
         self.gemv_compact: torch.Tensor | None = None    # the same in Q4_1/Q8_0 blocks, if exact
-        self.amx_weight: torch.Tensor | None = None      # cpu_amx bf16 tiles, if exact
+        self.amx_weight: cpu_amx.AmxWeight | None = None  # cpu_amx bf16 tiles, if exact
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         rows = x.shape[0]
@@ -91,7 +91,7 @@ class Linear(nn.Module):
             out = load_gemv_kernel().gemv_linear(x.contiguous(), panels)
             return out if self.bias is None else out.add_(self.bias)
         if self.amx_weight is not None:
-            out = cpu_amx.load_kernel().amx_linear(x.contiguous(), self.amx_weight)
+            out = cpu_amx.amx_linear(x.contiguous(), self.amx_weight)
             return out if self.bias is None else out.add_(self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight,

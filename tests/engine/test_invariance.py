@@ -37,6 +37,13 @@ def test_batch_of_16_equals_one_at_a_time(llm, prompts, one_at_a_time):
     assert_kv_clean(llm)
 
 
+def test_batch_of_32_equals_one_at_a_time(llm, prompts, one_at_a_time):
+    """32 decoding at once: past the decode plan's rows where the AMX tiles take the linears
+    (layers/cpu_amx.py), on the modules."""
+    assert token_ids(llm.generate(prompts + prompts, GREEDY)) == one_at_a_time * 2
+    assert_kv_clean(llm)
+
+
 @pytest.mark.parametrize("whole_from, budget, idle", [(0, 24, 0), (100, 24, 0), (0, 24, 96),
                                                       (0, 96, 24)],
                          ids=["all-chunked", "long-ones-whole", "idle-steps-larger",

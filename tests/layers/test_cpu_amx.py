@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from tests.helpers.gil import longest_stall_beside
-from tokenmill.layers.cpu_amx import AMX_MIN_ROWS, amx_linear, load_kernel, pack_amx_weight
+from tokenmill.layers.cpu_amx import (AMX_MIN_ROWS, AMX_Q4_1_MIN_ROWS, amx_linear, load_kernel,
+                                     pack_amx_weight)
 from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill.layers.linear import Linear
@@ -88,24 +89,27 @@ def test_hi_lo_tiles_refuse_a_subnormal_lo():
     assert pack_amx_weight(weight).steps is not None   # as Q4_1: d = 0, m = the value
 
 
-def test_linear_routes_long_steps_to_the_tiles_and_keeps_onednn_for_other_weights():
+@pytest.mark.parametrize("kind, min_rows", [("two_bf16", AMX_MIN_ROWS),
+                                             ("q4_1", AMX_Q4_1_MIN_ROWS)])
+def test_linear_routes_long_steps_to_the_tiles_and_keeps_onednn_for_other_weights(kind, min_rows):
     gen = torch.Generator().manual_seed(5)
     exact, plain = Linear(96, 64, bias=True), Linear(96, 64)
-    exact.weight.data.copy_(two_bf16_weight(64, 96, gen))
+    exact.weight.data.copy_(WEIGHTS[kind](64, 96, gen))
     exact.bias.data.copy_(torch.randn(64, generator=gen))
     plain.weight.data.copy_(torch.randn(64, 96, generator=gen))
     weights = {id(m): m.weight.detach().clone() for m in (exact, plain)}
     for module in (exact, plain):
         module.prepack(gemv=True, compact=False, amx=True)
     assert exact.amx_weight is not None and exact.packed_weight is None
+    assert exact.amx_weight.min_rows == min_rows
     assert plain.amx_weight is None and plain.packed_weight is not None
-    for rows in (1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 700):
+    for rows in (1, min_rows - 1, min_rows, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 700):
         x = torch.randn(rows, 96, generator=gen)
         for module, bias in ((exact, exact.bias), (plain, None)):
             expected = F.linear(x, weights[id(module)], bias)
             torch.testing.assert_close(module(x), expected, rtol=1e-5, atol=1e-5)
         # the route itself: bitwise the kernel that should have taken the step
-        if rows >= AMX_MIN_ROWS:
+        if rows >= min_rows:
             routed = amx_linear(x, exact.amx_weight)
         else:
             routed = load_gemv_kernel().gemv_linear(x, exact.small_step_panels(rows))

@@ -11,6 +11,7 @@ import torch
 from tests.helpers.gil import longest_stall_beside
 from tests.helpers.oracle import assert_kv_clean
 from tokenmill.attention.cpu_paged import load_kernel
+from tokenmill.layers.cpu_amx import AMX_Q4_1_MIN_ROWS
 from tokenmill.layers.cpu_amx import load_kernel as load_amx_kernel
 from tokenmill.layers.cpu_fused import load_kernel as load_fused_kernel
 from tokenmill.layers.cpu_gemv import GEMV_COMPACT_MAX_ROWS, GEMV_MAX_ROWS
@@ -45,11 +46,16 @@ def fast_path_active(llm) -> bool:
     kernel = "cpu_paged" if load_kernel() is not None else "torch"
     gemv = load_gemv_kernel() is not None
     fused = load_fused_kernel() is not None
-    # the layers' Q4_1 weights are two bf16 numbers each: AMX tiles instead of oneDNN's
-    # layout where the CPU has them; the Q8_0 lm_head is not, and keeps oneDNN
+    # the layers' Q4_1 weights go on the AMX tiles (in the factored form) instead of oneDNN's
+    # layout where the CPU has them, and from AMX_Q4_1_MIN_ROWS rows the decode plan leaves
+    # decode steps to them; the Q8_0 lm_head keeps oneDNN
     amx = gemv and load_amx_kernel() is not None
+    plan = model.model.decode_plan
     return (layer.self_attn.backend.name == kernel
             and (layer.mlp.gate_up_proj.amx_weight is not None) == amx
+            and (not amx or layer.mlp.gate_up_proj.amx_weight.steps is not None)
+            and (plan is None
+                 or plan.max_tokens == (AMX_Q4_1_MIN_ROWS - 1 if amx else GEMV_MAX_ROWS))
             and (layer.mlp.gate_up_proj.packed_weight is not None) == (not amx)
             and model.lm_head.amx_weight is None
             and model.lm_head.packed_weight is not None

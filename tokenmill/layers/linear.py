@@ -15,11 +15,11 @@ Ways to run them (`linear_backend`):
   for steps of at most GEMV_COMPACT_MAX_ROWS tokens: the same fp32 values and output, for a
   fifth (Q4_1) or a quarter (Q8_0) of the bytes to stream. Where those take every step the
   kernel takes (AVX-512), the fp32 panels are not kept: SmolLM2 loads ~540 MB lighter.
-- "amx": "hybrid", with steps of AMX_MIN_ROWS tokens and more on the AMX tile unit
-  (layers/cpu_amx.py; decode-only steps keep the small-M kernel through the decode plan) for
-  weights that are exactly two bf16 numbers each (a Q4_1 GGUF's layers are): exact products
-  summed in fp32, as accurate as oneDNN's fp32 GEMM. Those weights keep no oneDNN copy; the
-  others do.
+- "amx": "hybrid", with longer steps on the AMX tile unit (layers/cpu_amx.py) for weights
+  that are exactly Q4_1 values (from AMX_Q4_1_MIN_ROWS tokens) or two bf16 numbers each (from
+  AMX_MIN_ROWS): exact products summed in fp32, as accurate as oneDNN's fp32 GEMM. Shorter
+  decode-only steps keep the small-M kernel through the decode plan. Those weights keep no
+  oneDNN copy; the others do.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         rows = x.shape[0]
         if (self.has_gemv_panels and rows <= GEMV_MAX_ROWS
-                and (self.amx_weight is None or rows < cpu_amx.AMX_MIN_ROWS)):
+                and (self.amx_weight is None or rows < self.amx_weight.min_rows)):
             panels = self.small_step_panels(rows)
             out = load_gemv_kernel().gemv_linear(x.contiguous(), panels)
             return out if self.bias is None else out.add_(self.bias)

@@ -7,8 +7,9 @@ output) and their small tensor ops. A flat Python loop over the kernels still ma
 dispatches a token. The plan keeps each layer's kernel-ready weights and calls the same
 kernels, in the same order, on the same tensors, so its output is bitwise that of the module
 path (test_decode_plan_is_bitwise_the_module_path in tests/model/test_fast_paths.py).
-Steps with a prefill chunk, or more tokens than the small-M linear kernel takes, go through
-the modules, and so does every step when a kernel cannot be built.
+Steps with a prefill chunk, or more tokens than the small-M linear kernel takes (or than the
+AMX tiles take faster, when the linears have them), go through the modules, and so does every
+step when a kernel cannot be built.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class DecodePlan:
                  scale: float, loop: ModuleType, kernel_entry_points: list[object]) -> None:
         self.layers = layers
         self.num_layers = len(layers)
+        tiles = [m.amx_weight.min_rows for layer in layers
+                 for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                 if m.amx_weight is not None]
+        # GEMV_MAX_ROWS, or fewer where the linears' AMX tiles take shorter steps faster
+        self.max_tokens = min([GEMV_MAX_ROWS, *(rows - 1 for rows in tiles)])
         # decode_layers takes one flat list, 7 per layer; the linears' panels depend on the
         # step's size (compact ones for the fewest tokens), so one list per size, made once
         self._weights_by_size: dict[int, list[torch.Tensor]] = {}
@@ -98,11 +104,12 @@ class DecodePlan:
         return weights
 
     def accepts(self, num_tokens: int, rope: RopeTables, ctx: ForwardContext) -> bool:
-        """A decode-only step the kernels take: at most GEMV_MAX_ROWS tokens, fp32 caches and
-        the rotary kernel in the step's tables."""
+        """A decode-only step the kernels take: at most max_tokens, fp32 caches and the
+        rotary kernel in the step's tables."""
         meta = ctx.attn
-        return (not meta.prefills and meta.num_decodes == num_tokens <= GEMV_MAX_ROWS
+        return (not meta.prefills and meta.num_decodes == num_tokens <= self.max_tokens
                 and rope.kernel is not None and ctx.kv_caches[0][0].dtype == torch.float32)
+
 
     def run(self, hidden: torch.Tensor, rope: RopeTables, ctx: ForwardContext
             ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -89,7 +89,7 @@ class KVCacheManager:
         return self.tree.match_length(tokens, namespace_of(request)) * self.block_size
 
     def lookup(self, request: Request, source: Request | None = None) -> PrefixMatch:
-        """The cached prefix a (re)starting request can reuse, in whole blocks.
+        """The cached prefix a (re)starting request can reuse: whole blocks, then a tail.
 
         At least one token is always left to compute, so the step yields logits. `source` is
         an n > 1 sibling whose computed prompt blocks may be shared when the tree is off.

@@ -1,4 +1,4 @@
-"""RadixTree: a prefix tree over block-aligned runs of token ids, holding KV block ids.
+"""RadixTree: a prefix tree over block-aligned runs of token ids (and tails), holding KV block ids.
 
 Each edge (node) carries a run of whole blocks: `key` has `len(block_ids) * block_size` tokens.
 Children are keyed by the tokens of their first block, so two children never share one. A

@@ -126,6 +126,26 @@ void split_rows(const float* x, int64_t rows, int64_t k, uint16_t* xs) {
   });
 }
 
+// The first `count` of a block's x terms (tiles 3 and 7 in turn, so that a load overlaps the
+// products of the other) times weight tiles 4-6, into accumulators 0-2.
+template <int kColTiles>
+__attribute__((always_inline)) inline void x_terms_times_weights(const uint16_t* ab, int count) {
+#pragma GCC unroll 3
+  for (int s = 0; s < count; ++s) {
+    if (s % 2 == 0) {
+      _tile_loadd(3, ab + s * kTile, 64);
+      _tile_dpbf16ps(0, 3, 4);
+      if (kColTiles > 1) _tile_dpbf16ps(1, 3, 5);
+      if (kColTiles > 2) _tile_dpbf16ps(2, 3, 6);
+    } else {
+      _tile_loadd(7, ab + s * kTile, 64);
+      _tile_dpbf16ps(0, 7, 4);
+      if (kColTiles > 1) _tile_dpbf16ps(1, 7, 5);
+      if (kColTiles > 2) _tile_dpbf16ps(2, 7, 6);
+    }
+  }
+}
+
 // y rows [row0, row0 + 16) x columns [col0, col0 + 16 kColTiles), over all k: x tiles (3 and
 // 7 in turn) against up to three weight tiles (4-6) into accumulators 0-2. x.lo * w.lo is
 // left out (t = 1 takes x.hi and x.mid only).
@@ -146,20 +166,7 @@ void row_block(const uint16_t* xs, const uint16_t* w, int64_t blocks, int64_t ro
       _tile_loadd(4, wb + t * kTile, 64);
       if (kColTiles > 1) _tile_loadd(5, wb + w_tile_stride + t * kTile, 64);
       if (kColTiles > 2) _tile_loadd(6, wb + 2 * w_tile_stride + t * kTile, 64);
-#pragma GCC unroll 3
-      for (int s = 0; s < kXTerms - t; ++s) {
-        if (s % 2 == 0) {
-          _tile_loadd(3, ab + s * kTile, 64);
-          _tile_dpbf16ps(0, 3, 4);
-          if (kColTiles > 1) _tile_dpbf16ps(1, 3, 5);
-          if (kColTiles > 2) _tile_dpbf16ps(2, 3, 6);
-        } else {
-          _tile_loadd(7, ab + s * kTile, 64);
-          _tile_dpbf16ps(0, 7, 4);
-          if (kColTiles > 1) _tile_dpbf16ps(1, 7, 5);
-          if (kColTiles > 2) _tile_dpbf16ps(2, 7, 6);
-        }
-      }
+      x_terms_times_weights<kColTiles>(ab, kXTerms - t);
     }
   }
   if (row0 + kRows <= rows) {
@@ -230,20 +237,7 @@ void q4_1_row_block(const uint16_t* xs, const uint16_t* levels, const float* ste
     if (kColTiles > 1) _tile_loadd(5, q0 + level_stride + b * kTile, 64);
     if (kColTiles > 2) _tile_loadd(6, q0 + 2 * level_stride + b * kTile, 64);
     const uint16_t* ab = a + b * kXTerms * kTile;
-#pragma GCC unroll 3
-    for (int s = 0; s < kXTerms; ++s) {
-      if (s % 2 == 0) {
-        _tile_loadd(3, ab + s * kTile, 64);
-        _tile_dpbf16ps(0, 3, 4);
-        if (kColTiles > 1) _tile_dpbf16ps(1, 3, 5);
-        if (kColTiles > 2) _tile_dpbf16ps(2, 3, 6);
-      } else {
-        _tile_loadd(7, ab + s * kTile, 64);
-        _tile_dpbf16ps(0, 7, 4);
-        if (kColTiles > 1) _tile_dpbf16ps(1, 7, 5);
-        if (kColTiles > 2) _tile_dpbf16ps(2, 7, 6);
-      }
-    }
+    x_terms_times_weights<kColTiles>(ab, kXTerms);
     if (b > 0) scale_in(b - 1, products[(b - 1) % 2]);
     float (*out)[kWidth] = products[b % 2];
     _tile_stored(0, &out[0][0], sizeof out[0]);

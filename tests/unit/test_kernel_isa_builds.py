@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tokenmill.attention.cpu_paged as cpu_paged
+import tokenmill.layers.cpu_amx as cpu_amx
 import tokenmill.layers.cpu_gemv as cpu_gemv
 from tokenmill.kernels.cpp_build import CpuExtension, compile_cpu_extension
 
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.skipif(
     cpu_paged.load_kernel() is None or cpu_gemv.load_kernel() is None,
     reason="no C++ compiler for the kernels")
 
-WITHOUT = {"avx2": ("-mno-avx512f",), "sse": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+WITHOUT = {"avx2": ("-mno-avx512f", "-mno-amx-tile"),
+           "sse": ("-mno-avx512f", "-mno-amx-tile", "-mno-avx2", "-mno-fma")}
 
 
 def build(kernel: CpuExtension, isa: str):
@@ -32,7 +34,8 @@ def build(kernel: CpuExtension, isa: str):
 @pytest.fixture(scope="module")
 def builds():
     """Every (kernel, isa) build, compiled side by side (one compiler per core)."""
-    wanted = [(kernel, isa) for isa in WITHOUT for kernel in (cpu_gemv.KERNEL, cpu_paged.KERNEL)]
+    wanted = [(kernel, isa) for isa in WITHOUT
+              for kernel in (cpu_gemv.KERNEL, cpu_paged.KERNEL, cpu_amx.KERNEL)]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         modules = list(pool.map(lambda item: build(*item), wanted))
     return {(kernel.prefix, isa): module for (kernel, isa), module in zip(wanted, modules)}
@@ -65,3 +68,11 @@ def test_kernels_build_and_agree_without_avx512(isa, builds):
     for kernel, out in ((native, expected[:4]), (attention, got[:4])):
         kernel.paged_decode_attention(out, decode_query, k_cache, v_cache, tables, lens, 0.125, -1)
     torch.testing.assert_close(got[:4], expected[:4], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", WITHOUT)
+def test_the_amx_kernel_builds_without_the_tiles_and_takes_no_weight(isa, builds):
+    amx = builds[cpu_amx.KERNEL.prefix, isa]
+    assert amx is not None and not amx.amx_available()
+    weight = torch.zeros(16, 32)   # exactly Q4_1 and two bf16 numbers: refused all the same
+    assert amx.pack_amx_q4_1(weight) == [] and amx.pack_amx_weight(weight).numel() == 0

@@ -25,9 +25,9 @@ from tokenmill.layers.cpu_gemv import BLOCK_FORMATS
 # paired medians: M = 32: 0.91x, 48: 0.94x, 64: 0.87x, 96: 1.27x, 128: 1.32x.
 AMX_MIN_ROWS = 80
 # The same for Q4_1 weights in the factored form (2 bytes a weight, three products a block):
-# SmolLM2's four layer linears, medians of 40 alternating calls (/tmp/s29/minrows.py, two
-# phases of the VM's tile unit): M = 8: 0.82x, 12: 1.07x, 16: 1.22-1.31x, 24: 1.06-1.21x, 32:
-# 1.30-1.62x, 48: 1.38-1.65x, 64-96: 1.68-1.71x.
+# SmolLM2's four layer linears, medians of 40 alternating calls in two phases of the VM's tile
+# unit (docs/benchmarks.md, twenty-ninth session): M = 8: 0.82x, 12: 1.07x, 16: 1.22-1.31x,
+# 24: 1.06-1.21x, 32: 1.30-1.62x, 48: 1.38-1.65x, 64-96: 1.68-1.71x.
 AMX_Q4_1_MIN_ROWS = 32
 
 KERNEL = CpuExtension("tokenmill_cpu_amx", Path(__file__).with_name("cpu_amx_kernel.cpp"),

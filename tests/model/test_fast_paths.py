@@ -11,7 +11,7 @@ import torch
 from tests.helpers.gil import longest_stall_beside
 from tests.helpers.oracle import assert_kv_clean
 from tokenmill.attention.cpu_paged import load_kernel
-from tokenmill.layers.cpu_amx import AMX_Q4_1_MIN_ROWS
+from tokenmill.layers import cpu_amx
 from tokenmill.layers.cpu_amx import load_kernel as load_amx_kernel
 from tokenmill.layers.cpu_fused import load_kernel as load_fused_kernel
 from tokenmill.layers.cpu_gemv import GEMV_COMPACT_MAX_ROWS, GEMV_MAX_ROWS
@@ -47,15 +47,14 @@ def fast_path_active(llm) -> bool:
     gemv = load_gemv_kernel() is not None
     fused = load_fused_kernel() is not None
     # the layers' Q4_1 weights go on the AMX tiles (in the factored form) instead of oneDNN's
-    # layout where the CPU has them, and from AMX_Q4_1_MIN_ROWS rows the decode plan leaves
-    # decode steps to them; the Q8_0 lm_head keeps oneDNN
+    # layout where the CPU has them (the decode plan too takes them from AMX_Q4_1_MIN_ROWS
+    # rows); the Q8_0 lm_head keeps oneDNN
     amx = gemv and load_amx_kernel() is not None
     plan = model.model.decode_plan
     return (layer.self_attn.backend.name == kernel
             and (layer.mlp.gate_up_proj.amx_weight is not None) == amx
             and (not amx or layer.mlp.gate_up_proj.amx_weight.steps is not None)
-            and (plan is None
-                 or plan.max_tokens == (AMX_Q4_1_MIN_ROWS - 1 if amx else GEMV_MAX_ROWS))
+            and (plan is None or plan.max_tokens == GEMV_MAX_ROWS)
             and (layer.mlp.gate_up_proj.packed_weight is not None) == (not amx)
             and model.lm_head.amx_weight is None
             and model.lm_head.packed_weight is not None
@@ -97,17 +96,24 @@ def test_fast_path_one_at_a_time_equals_reference(llm, reference_tokens):
     assert single == reference_tokens
 
 
-@pytest.mark.parametrize("qkv_bias", [False, True], ids=["no-bias", "qkv-bias"])
-def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch, qkv_bias):
+@pytest.mark.parametrize("variant", ["no-bias", "qkv-bias", "tiles"])
+def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch, variant):
     """Decode-only steps through the DecodePlan give exactly the logprobs of the modules it
     flattens, at batch 1 and batched (no prefix cache: both runs compute the same shapes).
     SmolLM2 has no q|k|v bias; with one set on every layer (as Qwen2 has), the plan must add
-    it as the module does."""
+    it as the module does. With AMX tiles from 3 rows, the batched steps run the linears on
+    them in both paths."""
     llm = make_llm(prefix_cache=False)
     model = llm.engine.core.worker.runner.model.model
     if model.decode_plan is None:
         pytest.skip("the decode plan needs the C++ kernels")
-    if qkv_bias:
+    if variant == "tiles":
+        if load_amx_kernel() is None:
+            pytest.skip("no AMX tiles on this CPU")
+        monkeypatch.setattr(cpu_amx, "AMX_Q4_1_MIN_ROWS", 3)
+        monkeypatch.setattr(model, "decode_plan", DecodePlan.build(model.layers))
+        assert model.decode_plan.weights(5)[3].dtype == torch.uint8   # q|k|v's 4-bit levels
+    if variant == "qkv-bias":
         gen = torch.Generator().manual_seed(0)
         for layer in model.layers:
             qkv = layer.self_attn.qkv_proj

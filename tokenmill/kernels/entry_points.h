@@ -18,6 +18,9 @@ using SiluAndMulIntoFn = void(const float* gate_up, int64_t rows, int64_t n, flo
 using GemvIntoFn = void(const float* x, int64_t m, int64_t k, const torch::Tensor& packed,
                         float* y);
 using GemvOutFeaturesFn = int64_t(const torch::Tensor& packed);
+// y [m, N] = x [m, k] @ W^T for W as GGUF Q4_1 values on the AMX tiles (layers/cpu_amx.py).
+using AmxLinearQ4_1IntoFn = void(const float* x, int64_t m, int64_t k, const torch::Tensor& levels,
+                                 const torch::Tensor& steps, const torch::Tensor& mins, float* y);
 using PagedDecodeAttentionFn = void(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
                                     torch::Tensor v_cache, torch::Tensor block_table,
                                     torch::Tensor seq_lens, double scale, int64_t sliding_window);
@@ -29,12 +32,15 @@ pybind11::capsule export_entry(Fn* fn, const char* name) {
   return pybind11::capsule(reinterpret_cast<void*>(fn), name);
 }
 
+// A kernel not `required` may be missing (null): the caller checks before it calls.
 template <typename Fn>
-Fn* import_entry(const std::vector<pybind11::capsule>& capsules, const char* name) {
+Fn* import_entry(const std::vector<pybind11::capsule>& capsules, const char* name,
+                 bool required = true) {
   for (const auto& capsule : capsules)
     if (std::strcmp(capsule.name(), name) == 0)
       return reinterpret_cast<Fn*>(capsule.get_pointer<void>());
-  TORCH_CHECK(false, "kernel entry point ", name, " not given");
+  TORCH_CHECK(!required, "kernel entry point ", name, " not given");
+  return nullptr;
 }
 
 }  // namespace tokenmill_entry

@@ -1,11 +1,12 @@
-"""fp32 linear on the AMX bf16 tile unit for long (prefill) steps; see cpu_amx_kernel.cpp.
+"""fp32 linear on the AMX bf16 tile unit for prefill steps and, with GGUF Q4_1 weights,
+decode steps of 12 rows or more; see cpu_amx_kernel.cpp.
 
 Weights that are exactly GGUF Q4_1 values (d q + m a block of 32 inputs) are kept as their
-levels in bf16 tiles with each block's d and m (the factored form, three tile products a
-block); other weights that are exactly two bf16 numbers each (hi + lo: fp16 or bf16
-checkpoints) as hi and lo tiles (five). The step's input is split into three bf16 numbers a
-value, and the tile unit sums exact products in fp32: as accurate as an fp32 GEMM, in another
-order. Other weights, and CPUs without AMX, keep oneDNN.
+levels in bf16 tiles (and in four bits, for steps of up to 16 rows) with each block's d and
+m (the factored form, three tile products a block); other weights that are exactly two bf16
+numbers each (hi + lo: fp16 or bf16 checkpoints) as hi and lo tiles (five). The step's input
+is split into three bf16 numbers a value, and the tile unit sums exact products in fp32: as
+accurate as an fp32 GEMM, in another order. Other weights, and CPUs without AMX, keep oneDNN.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from tokenmill.kernels.cpp_build import WORK_SHARING, CpuExtension
+from tokenmill.kernels.cpp_build import ENTRY_POINTS, WORK_SHARING, CpuExtension
 from tokenmill.layers.cpu_gemv import BLOCK_FORMATS
 
 # The fewest rows the tiles take where the small-M kernel's compact panels also could: below,
@@ -24,25 +25,36 @@ from tokenmill.layers.cpu_gemv import BLOCK_FORMATS
 # 120 layer linears on a 2-core Sapphire Rapids-class Xeon, compact panels against tiles,
 # paired medians: M = 32: 0.91x, 48: 0.94x, 64: 0.87x, 96: 1.27x, 128: 1.32x.
 AMX_MIN_ROWS = 80
-# The same for Q4_1 weights in the factored form (2 bytes a weight, three products a block):
-# SmolLM2's four layer linears, medians of 40 alternating calls in two phases of the VM's tile
-# unit (docs/benchmarks.md, twenty-ninth session): M = 8: 0.82x, 12: 1.07x, 16: 1.22-1.31x,
-# 24: 1.06-1.21x, 32: 1.30-1.62x, 48: 1.38-1.65x, 64-96: 1.68-1.71x.
-AMX_Q4_1_MIN_ROWS = 32
+# The same for Q4_1 weights in the factored form (three products a block; up to 16 rows from
+# four-bit levels rebuilt in L1), in the C++ decode loop as in the modules. Whole 30-layer
+# decode steps (short contexts) against compact panels, paired medians of 6, thirtieth
+# session: 8 rows 0.87x, 12 rows 1.15x, 16 rows 1.13x (docs/benchmarks.md).
+AMX_Q4_1_MIN_ROWS = 12
 
 KERNEL = CpuExtension("tokenmill_cpu_amx", Path(__file__).with_name("cpu_amx_kernel.cpp"),
                       ["amx_available", "pack_amx_weight", "amx_linear", "pack_amx_q4_1",
-                       "amx_linear_q4_1"], "AMX linear kernel", "oneDNN for long steps",
-                      headers=(WORK_SHARING, BLOCK_FORMATS))
+                       "amx_linear_q4_1", "entry_points"], "AMX linear kernel",
+                      "oneDNN for long steps", headers=(ENTRY_POINTS, WORK_SHARING, BLOCK_FORMATS))
+
+
+# The most rows one row of tiles holds: steps this short take the Q4_1 levels in four bits.
+TILE_ROWS = 16
 
 
 @dataclass(frozen=True)
 class AmxWeight:
-    """A weight on the tiles: Q4_1 levels with their blocks' steps and minimums, or (steps
-    and minimums None) hi + lo bf16 tiles."""
+    """A weight on the tiles: Q4_1 levels (as bf16 tiles, and in four bits for short steps)
+    with their blocks' steps and minimums, or (the rest None) hi + lo bf16 tiles."""
     tiles: torch.Tensor
     steps: torch.Tensor | None = None
     mins: torch.Tensor | None = None
+    nibbles: torch.Tensor | None = None
+
+    def q4_1_operands(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """levels, steps and minimums for a step of `rows` (Q4_1 only): the four-bit levels
+        up to TILE_ROWS rows, the bf16 tiles above."""
+        levels = self.nibbles if rows <= TILE_ROWS else self.tiles
+        return levels, self.steps, self.mins
 
     @property
     def min_rows(self) -> int:
@@ -74,5 +86,5 @@ def amx_linear(x: torch.Tensor, weight: AmxWeight) -> torch.Tensor:
     """x [M, K] (contiguous fp32) @ the packed weight's [N, K]^T."""
     kernel = load_kernel()
     if weight.steps is not None:
-        return kernel.amx_linear_q4_1(x, weight.tiles, weight.steps, weight.mins)
+        return kernel.amx_linear_q4_1(x, *weight.q4_1_operands(x.shape[0]))
     return kernel.amx_linear(x, weight.tiles)

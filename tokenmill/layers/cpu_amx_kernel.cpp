@@ -21,12 +21,20 @@
 // their factored form, y = sum over blocks of d (x . q) + m sum(x): a level is one exact bf16,
 // so a block's x . q takes three tile products (x.hi, x.mid, x.lo against the levels), read
 // out of the accumulators and scaled by the block's d with FMAs while the next block's products
-// run; the m terms are one small GEMM of the rows' block sums. Nine tile products per block of
+// run; each accumulator starts from its m terms, the rows' block sums times the minimums (FMAs
+// over the blocks). Nine tile products per block of
 // three column tiles instead of fifteen, from half the weight bytes. Each x . q is exact
 // products summed in fp32, so the result is as accurate as an fp32 GEMM too (the same test).
 // The factored form, SmolLM2's ffn_up at 2048 rows against the hi + lo tiles, alternating
 // (twenty-ninth session): 1.42x while the VM's tile unit ran slow, 1.0-1.15x while it ran
 // fast (then tile loads and the readouts, not the products, set the pace).
+//
+// Decode steps of up to 16 rows (the C++ decode loop calls amx_linear_q4_1_into) configure the
+// accumulators and x tiles for their rows only and read the levels in four bits, rebuilt as
+// bf16 tiles in L1 a block at a time (expand_levels). SmolLM2's 120 layer linears, thirtieth
+// session, medians of 9: 16 rows 13.95 ms against 15.09 from the bf16 tiles and 15.61 from
+// the compact panels; 12 rows 12.62, 13.76, 12.71; 8 rows 10.84, 13.14, 9.46 (the panels
+// keep those). The products and readouts of each block, not the weight bytes, set that pace.
 //
 // On a 2-core Sapphire Rapids-class VM, SmolLM2's four layer GEMMs at 2048 rows against
 // oneDNN's packed fp32 GEMM, alternating: 1.11-1.15x in the median pair, 1.58x at best (the
@@ -67,15 +75,18 @@ inline bool request_tiles() {
   return granted;
 }
 
-// Every tile 16 rows of 64 bytes, for the calling thread; released when it goes.
+// Every tile of 64-byte rows, for the calling thread; released when it goes. The weight tiles
+// (4-6) have 16 rows (k pairs); the accumulators (0-2) and x tiles (3, 7) `rows` (of y and x):
+// a step of fewer than 16 rows pays for its rows only, in products and readouts.
 struct TileSession {
-  TileSession() {
+  explicit TileSession(int64_t rows = kRows) {
     struct alignas(64) {
       uint8_t palette = 1, start_row = 0, reserved[14] = {};
       uint16_t bytes_per_row[16] = {};
       uint8_t rows[16] = {};
     } config;
-    for (int i = 0; i < 8; ++i) config.bytes_per_row[i] = 64, config.rows[i] = kRows;
+    for (int i = 0; i < 8; ++i)
+      config.bytes_per_row[i] = 64, config.rows[i] = i >= 4 && i <= 6 ? kRows : rows;
     _tile_loadconfig(&config);
   }
   ~TileSession() { _tile_release(); }
@@ -197,23 +208,43 @@ void block_sums(const float* x, int64_t rows, int64_t k, float* sums) {
   });
 }
 
+// What the blocks' minimums add to y: the rows' block sums times the minimums.
+struct MinTerms {
+  const float* sums;   // [rows, blocks]
+  const float* mins;   // [blocks, n]
+};
+
+// The m terms of y rows [row0, row0 + live) x columns [col0, col0 + 16 kColTiles) into acc
+// (16 rows; those from `live` zero). Computed here, not by a GEMM before: at::mm took more
+// time than the tiles' products in 16-row decode steps, mostly in its threads' start and wait.
+template <int kColTiles>
+inline void start_from_min_terms(const MinTerms& m, int64_t blocks, int64_t row0, int64_t live,
+                                 int64_t col0, int64_t n, float (*acc)[kColTiles * kCols]) {
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int j = 0; j < kColTiles; ++j) {
+      __m512 sum = _mm512_setzero_ps();
+      const float* s = m.sums + (row0 + r) * blocks;
+      for (int64_t b = 0; r < live && b < blocks; ++b)
+        sum = _mm512_fmadd_ps(_mm512_set1_ps(s[b]),
+                              _mm512_loadu_ps(m.mins + b * n + col0 + j * kCols), sum);
+      _mm512_store_ps(&acc[r][j * kCols], sum);
+    }
+}
+
 // The factored Q4_1 form of row_block: y rows [row0, row0 + 16) x columns [col0, col0 + 16
-// kColTiles) += sum over blocks of d (x . q). Per block: x.hi, x.mid and x.lo (tiles 3 and 7 in
-// turn) against the column tiles' levels (4-6) into accumulators 0-2, zeroed a block; they are
-// stored to one of two scratch buffers, and the block before is scaled into `acc` meanwhile.
+// kColTiles) = the m terms + sum over blocks of d (x . q). Per block: x.hi, x.mid and x.lo
+// (tiles 3 and 7 in turn) against the column tiles' levels (4-6) into accumulators 0-2, zeroed
+// a block; they are stored to one of two scratch buffers, and the block before is scaled into
+// `acc` meanwhile.
 template <int kColTiles>
 void q4_1_row_block(const uint16_t* xs, const uint16_t* levels, const float* steps,
-                    int64_t blocks, int64_t row0, int64_t rows, int64_t col0, float* y,
-                    int64_t n) {
+                    const MinTerms& min_terms, int64_t blocks, int64_t row0, int64_t rows,
+                    int64_t col0, float* y, int64_t n) {
   constexpr int64_t kWidth = kColTiles * kCols;
   alignas(64) float acc[kRows][kWidth];
   alignas(64) float products[2][kRows][kWidth];
   const int64_t live = std::min(kRows, rows - row0);
-  for (int64_t r = 0; r < kRows; ++r)   // from the m terms in y
-    for (int j = 0; j < kColTiles; ++j) {
-      const float* from = y + (row0 + r) * n + col0 + j * kCols;
-      _mm512_store_ps(&acc[r][j * kCols], r < live ? _mm512_loadu_ps(from) : _mm512_setzero_ps());
-    }
+  start_from_min_terms<kColTiles>(min_terms, blocks, row0, live, col0, n, acc);
   const int64_t level_stride = blocks * kTile;
   const uint16_t* a = xs + (row0 / kRows) * blocks * kXTerms * kTile;
   const uint16_t* q0 = levels + (col0 / kCols) * level_stride;
@@ -249,6 +280,74 @@ void q4_1_row_block(const uint16_t* xs, const uint16_t* levels, const float* ste
     std::memcpy(y + (row0 + r) * n + col0, acc[r], kWidth * 4);
 }
 
+// Q4_1 levels four bits each, in the tiles' VNNI order: byte j of a tile row i holds the levels
+// of column j at k = 2i (low nibble) and 2i + 1 (high), so a tile is 256 bytes, not 1 KB.
+constexpr int64_t kNibbleTile = kTile / 2;
+
+// A tile of levels from its nibbles, as bf16 (16 rows of 32), into `out`: each byte widened to
+// a 32-bit lane holding its two levels as 16-bit numbers, which a table turns into bf16.
+inline void expand_levels(const uint8_t* nibbles, uint16_t* out) {
+  alignas(64) static const uint16_t kLevels[32] = {
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};   // bf16 of 0..15
+  const __m512i table = _mm512_load_si512(kLevels);
+  const __m512i low = _mm512_set1_epi32(0x0f), high = _mm512_set1_epi32(0xf0);
+#pragma GCC unroll 4
+  for (int row = 0; row < kRows; ++row) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles + row * 16)));
+    const __m512i pairs = _mm512_or_si512(_mm512_and_si512(bytes, low),
+                                          _mm512_slli_epi32(_mm512_and_si512(bytes, high), 12));
+    _mm512_store_si512(out + row * 32, _mm512_permutexvar_epi16(pairs, table));
+  }
+}
+
+// q4_1_row_block for a step of at most 16 rows from the 4-bit levels: each block's level tiles
+// are rebuilt in L1 before the tile unit loads them. Streaming a quarter of the bytes, a step
+// this short is paced by its products and readouts instead of by memory.
+template <int kColTiles>
+void q4_1_short_block(const uint16_t* xs, const uint8_t* nibbles, const float* steps,
+                      const MinTerms& min_terms, int64_t blocks, int64_t rows, int64_t col0,
+                      float* y, int64_t n) {
+  constexpr int64_t kWidth = kColTiles * kCols;
+  alignas(64) float acc[kRows][kWidth];
+  alignas(64) float products[2][kRows][kWidth];
+  alignas(64) uint16_t levels[kColTiles][kTile];
+  start_from_min_terms<kColTiles>(min_terms, blocks, 0, rows, col0, n, acc);
+  const int64_t nibble_stride = blocks * kNibbleTile;
+  const uint8_t* q0 = nibbles + (col0 / kCols) * nibble_stride;
+  const float* d0 = steps + (col0 / kCols) * blocks * kCols;
+  auto scale_in = [&](int64_t b, float (*block)[kWidth]) {
+#pragma GCC unroll 3
+    for (int j = 0; j < kColTiles; ++j) {
+      const __m512 d = _mm512_loadu_ps(d0 + (j * blocks + b) * kCols);
+      for (int64_t r = 0; r < rows; ++r)
+        _mm512_store_ps(&acc[r][j * kCols],
+                        _mm512_fmadd_ps(d, _mm512_load_ps(&block[r][j * kCols]),
+                                        _mm512_load_ps(&acc[r][j * kCols])));
+    }
+  };
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int j = 0; j < kColTiles; ++j)
+      expand_levels(q0 + j * nibble_stride + b * kNibbleTile, levels[j]);
+    _tile_zero(0);
+    if (kColTiles > 1) _tile_zero(1);
+    if (kColTiles > 2) _tile_zero(2);
+    _tile_loadd(4, levels[0], 64);
+    if (kColTiles > 1) _tile_loadd(5, levels[1], 64);
+    if (kColTiles > 2) _tile_loadd(6, levels[2], 64);
+    x_terms_times_weights<kColTiles>(xs + b * kXTerms * kTile, kXTerms);
+    if (b > 0) scale_in(b - 1, products[(b - 1) % 2]);
+    float (*out)[kWidth] = products[b % 2];
+    _tile_stored(0, &out[0][0], sizeof out[0]);
+    if (kColTiles > 1) _tile_stored(1, &out[0][kCols], sizeof out[0]);
+    if (kColTiles > 2) _tile_stored(2, &out[0][2 * kCols], sizeof out[0]);
+  }
+  scale_in(blocks - 1, products[(blocks - 1) % 2]);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(y + r * n + col0, acc[r], kWidth * 4);
+}
+
 // Every (row tile, up to three column tiles) of y [rows, 16 col_tiles] in work items that keep
 // a block of split rows in L2: fn(row0, col0, column tiles).
 template <typename Fn>
@@ -268,12 +367,24 @@ void for_each_tile(int64_t rows, int64_t k, int64_t col_tiles, const Fn& fn) {
       });
 }
 
+// Every group of up to three column tiles of y [rows <= 16, 16 col_tiles]: fn(col0, column
+// tiles), the tiles configured for `rows`.
+template <typename Fn>
+void for_each_short_tile(int64_t rows, int64_t col_tiles, const Fn& fn) {
+  const int64_t col_groups = (col_tiles + kColGroup - 1) / kColGroup;
+  tokenmill_parallel::parallel_chunks_with(
+      col_groups, 1, [rows] { return std::make_unique<TileSession>(rows); },
+      [&](const std::unique_ptr<TileSession>&, int64_t item, int64_t) {
+        const int64_t first_col = item * kColGroup;
+        fn(first_col * kCols, std::min(kColGroup, col_tiles - first_col));
+      });
+}
+
 // x [rows, k] split into three bf16 numbers a value, in row tiles (split_rows).
-torch::Tensor split_input(const torch::Tensor& x) {
-  const int64_t rows = x.size(0), k = x.size(1);
+torch::Tensor split_input(const float* x, int64_t rows, int64_t k) {
   auto xs = torch::empty({(rows + kRows - 1) / kRows, k / kSteps, kXTerms, kTile},
                          torch::kBFloat16);
-  split_rows(x.data_ptr<float>(), rows, k, reinterpret_cast<uint16_t*>(xs.data_ptr()));
+  split_rows(x, rows, k, reinterpret_cast<uint16_t*>(xs.data_ptr()));
   return xs;
 }
 #endif
@@ -341,7 +452,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
   const int64_t col_tiles = packed.size(0), n = col_tiles * amx::kCols;
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  auto xs = amx::split_input(x);
+  auto xs = amx::split_input(x.data_ptr<float>(), rows, x.size(1));
   const auto* xsp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   float* yp = y.data_ptr<float>();
@@ -361,8 +472,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
 
 // W [N, K] of Q4_1 values (w = d q + m as gemv_blocks::Q4_1 rebuilds them, bit for bit) ->
 // {levels [N / 16, K / 32, 512] bf16 tiles (VNNI order), steps d [N / 16, K / 32, 16] fp32,
-// minimums m [K / 32, N] fp32}; an empty list when some block is not (or the shape or the
-// build does not allow the tiles).
+// minimums m [K / 32, N] fp32, the levels again in four bits [N / 16, K / 32, 256] uint8
+// (for steps of at most 16 rows)}; an empty list when some block is not Q4_1 (or the shape or
+// the build does not allow the tiles).
 std::vector<torch::Tensor> pack_amx_q4_1(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32,
               "pack_amx_q4_1: a 2-D float32 weight");
@@ -374,10 +486,12 @@ std::vector<torch::Tensor> pack_amx_q4_1(torch::Tensor weight) {
   auto levels = torch::empty({n / amx::kCols, blocks, amx::kTile}, torch::kBFloat16);
   auto steps = torch::empty({n / amx::kCols, blocks, amx::kCols}, torch::kFloat32);
   auto mins = torch::empty({blocks, n}, torch::kFloat32);
+  auto nibbles = torch::zeros({n / amx::kCols, blocks, amx::kNibbleTile}, torch::kUInt8);
   const float* wp = w.data_ptr<float>();
   auto* lp = reinterpret_cast<uint16_t*>(levels.data_ptr());
   float* dp = steps.data_ptr<float>();
   float* mp = mins.data_ptr<float>();
+  uint8_t* np = nibbles.data_ptr<uint8_t>();
   std::atomic<bool> exact{true};
   at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
     float scales[2];
@@ -388,55 +502,101 @@ std::vector<torch::Tensor> pack_amx_q4_1(torch::Tensor weight) {
           exact = false;
           return;
         }
-        const int64_t tile = row / amx::kCols * blocks + b;
-        dp[tile * amx::kCols + row % amx::kCols] = scales[0];
+        const int64_t tile = row / amx::kCols * blocks + b, col = row % amx::kCols;
+        dp[tile * amx::kCols + col] = scales[0];
         mp[b * n + row] = scales[1];
-        for (int64_t c = 0; c < amx::kSteps; ++c)   // VNNI order, as pack_amx_weight
-          lp[tile * amx::kTile + (c / 2) * 2 * amx::kCols + (row % amx::kCols) * 2 + c % 2] =
+        for (int64_t c = 0; c < amx::kSteps; ++c) {   // VNNI order, as pack_amx_weight
+          lp[tile * amx::kTile + (c / 2) * 2 * amx::kCols + col * 2 + c % 2] =
               amx::bf16_bits(static_cast<float>(q[c]));
+          np[tile * amx::kNibbleTile + (c / 2) * amx::kCols + col] |= q[c] << (4 * (c % 2));
+        }
       }
   });
   if (!exact) return {};
-  return {levels, steps, mins};
+  return {levels, steps, mins, nibbles};
 #else
   return {};
 #endif
 }
 
-// y = x @ W^T for x [M, K] fp32 and W packed by pack_amx_q4_1: the rows' block sums times the
-// minimums (one small GEMM), then each block's x . q scaled by its d.
+namespace {
+
+// levels: bf16 tiles, or (for at most 16 rows) their four-bit form.
+void check_q4_1(int64_t rows, int64_t k, const torch::Tensor& levels, const torch::Tensor& steps,
+                const torch::Tensor& mins) {
+  const bool nibbles = levels.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(!nibbles || rows <= amx::kRows,
+              "amx_linear_q4_1: four-bit levels take at most 16 rows");
+  TORCH_CHECK(levels.dim() == 3 && levels.is_contiguous() &&
+                  levels.scalar_type() == (nibbles ? torch::kUInt8 : torch::kBFloat16) &&
+                  levels.size(2) == (nibbles ? amx::kNibbleTile : amx::kTile) &&
+                  levels.size(1) * amx::kSteps == k && steps.is_contiguous() &&
+                  steps.scalar_type() == torch::kFloat32 &&
+                  steps.sizes() ==
+                      torch::IntArrayRef({levels.size(0), levels.size(1), amx::kCols}) &&
+                  mins.scalar_type() == torch::kFloat32 &&
+                  mins.sizes() == torch::IntArrayRef({levels.size(1), levels.size(0) * amx::kCols}),
+              "amx_linear_q4_1: weight tiles do not match x");
+}
+
+}  // namespace
+
+// y [rows, N] = x [rows, k] @ W^T, both dense rows, W packed by pack_amx_q4_1: the rows' block
+// sums times the minimums, then each block's x . q scaled by its d. The raw
+// form is what the C++ decode loop calls (kernels/entry_points.h).
+void amx_linear_q4_1_into(const float* x, int64_t rows, int64_t k, const torch::Tensor& levels,
+                          const torch::Tensor& steps, const torch::Tensor& mins, float* y) {
+  check_q4_1(rows, k, levels, steps, mins);
+#ifdef TOKENMILL_AMX
+  TORCH_CHECK(amx_available(), "amx_linear_q4_1: this process may not use the AMX tiles");
+  const int64_t blocks = k / amx::kSteps, col_tiles = levels.size(0), n = col_tiles * amx::kCols;
+  if (rows == 0) return;
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+  auto sums = torch::empty({rows, blocks}, f32);
+  amx::block_sums(x, rows, k, sums.data_ptr<float>());
+  const amx::MinTerms min_terms{sums.data_ptr<float>(), mins.data_ptr<float>()};
+  auto xs = amx::split_input(x, rows, k);
+  const auto* xsp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
+  const float* dp = steps.data_ptr<float>();
+  if (levels.scalar_type() == torch::kUInt8)
+    return amx::for_each_short_tile(rows, col_tiles, [&](int64_t col0, int64_t cols) {
+      const uint8_t* np = levels.data_ptr<uint8_t>();
+      if (cols == 3)
+        amx::q4_1_short_block<3>(xsp, np, dp, min_terms, blocks, rows, col0, y, n);
+      else if (cols == 2)
+        amx::q4_1_short_block<2>(xsp, np, dp, min_terms, blocks, rows, col0, y, n);
+      else
+        amx::q4_1_short_block<1>(xsp, np, dp, min_terms, blocks, rows, col0, y, n);
+    });
+  const auto* lp = reinterpret_cast<const uint16_t*>(levels.data_ptr());
+  amx::for_each_tile(rows, k, col_tiles, [&](int64_t row0, int64_t col0, int64_t cols) {
+    if (cols == 3)
+      amx::q4_1_row_block<3>(xsp, lp, dp, min_terms, blocks, row0, rows, col0, y, n);
+    else if (cols == 2)
+      amx::q4_1_row_block<2>(xsp, lp, dp, min_terms, blocks, row0, rows, col0, y, n);
+    else
+      amx::q4_1_row_block<1>(xsp, lp, dp, min_terms, blocks, row0, rows, col0, y, n);
+  });
+#else
+  TORCH_CHECK(false, "amx_linear_q4_1: this build has no AMX tiles");
+#endif
+}
+
+// y = x @ W^T for x [M, K] fp32 and W packed by pack_amx_q4_1.
 torch::Tensor amx_linear_q4_1(torch::Tensor x, torch::Tensor levels, torch::Tensor steps,
                               torch::Tensor mins) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "amx_linear_q4_1: a contiguous 2-D float32 input");
-  TORCH_CHECK(levels.dim() == 3 && levels.scalar_type() == torch::kBFloat16 &&
-                  levels.size(2) == amx::kTile && levels.size(1) * amx::kSteps == x.size(1) &&
-                  steps.sizes() ==
-                      torch::IntArrayRef({levels.size(0), levels.size(1), amx::kCols}) &&
-                  mins.sizes() == torch::IntArrayRef({levels.size(1), levels.size(0) * amx::kCols}),
-              "amx_linear_q4_1: weight tiles do not match x");
-#ifdef TOKENMILL_AMX
-  const int64_t rows = x.size(0), k = x.size(1), blocks = k / amx::kSteps;
-  const int64_t col_tiles = levels.size(0), n = col_tiles * amx::kCols;
-  if (rows == 0) return torch::empty({0, n}, x.options());
-  auto sums = torch::empty({rows, blocks}, x.options());
-  amx::block_sums(x.data_ptr<float>(), rows, k, sums.data_ptr<float>());
-  auto y = at::mm(sums, mins);
-  auto xs = amx::split_input(x);
-  const auto* xsp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
-  const auto* lp = reinterpret_cast<const uint16_t*>(levels.data_ptr());
-  const float* dp = steps.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  amx::for_each_tile(rows, k, col_tiles, [&](int64_t row0, int64_t col0, int64_t cols) {
-    if (cols == 3)
-      amx::q4_1_row_block<3>(xsp, lp, dp, blocks, row0, rows, col0, yp, n);
-    else if (cols == 2)
-      amx::q4_1_row_block<2>(xsp, lp, dp, blocks, row0, rows, col0, yp, n);
-    else
-      amx::q4_1_row_block<1>(xsp, lp, dp, blocks, row0, rows, col0, yp, n);
-  });
+  check_q4_1(x.size(0), x.size(1), levels, steps, mins);
+  auto y = torch::empty({x.size(0), levels.size(0) * amx::kCols}, x.options());
+  amx_linear_q4_1_into(x.data_ptr<float>(), x.size(0), x.size(1), levels, steps, mins,
+                       y.data_ptr<float>());
   return y;
-#else
-  TORCH_CHECK(false, "amx_linear_q4_1: this build has no AMX tiles");
-#endif
+}
+
+// For the C++ decode loop (kernels/entry_points.h).
+std::vector<pybind11::capsule> entry_points() {
+  using namespace tokenmill_entry;
+  return {export_entry<AmxLinearQ4_1IntoFn>(&amx_linear_q4_1_into,
+                                            "tokenmill.amx_linear_q4_1_into")};
 }

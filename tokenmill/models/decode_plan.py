@@ -7,9 +7,10 @@ output) and their small tensor ops. A flat Python loop over the kernels still ma
 dispatches a token. The plan keeps each layer's kernel-ready weights and calls the same
 kernels, in the same order, on the same tensors, so its output is bitwise that of the module
 path (test_decode_plan_is_bitwise_the_module_path in tests/model/test_fast_paths.py).
-Steps with a prefill chunk, or more tokens than the small-M linear kernel takes (or than the
-AMX tiles take faster, when the linears have them), go through the modules, and so does every
-step when a kernel cannot be built.
+Each linear runs as the module would for the step's size: the small-M kernel's panels, or
+GGUF Q4_1 weights on the AMX tiles from their min_rows (layers/cpu_amx.py). Steps with a
+prefill chunk, or more tokens than the small-M kernel takes (or than other AMX tiles, hi + lo,
+take faster), go through the modules, and so does every step when a kernel cannot be built.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from tokenmill.attention.cpu_paged import CpuPagedBackend
 from tokenmill.attention.metadata import AttentionMetadata, ForwardContext
 from tokenmill.kernels.cpp_build import ENTRY_POINTS, CpuExtension
+from tokenmill.layers import cpu_amx
 from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill.layers.linear import Linear
@@ -34,20 +36,41 @@ LOOP = CpuExtension("tokenmill_decode_plan", Path(__file__).with_name("decode_pl
                     headers=(ENTRY_POINTS,), keep_gil=("decode_layers",))  # it lets go itself
 
 
+_NONE = torch.empty(0)
+
+
+def _on_tiles(linear: Linear, num_tokens: int) -> bool:
+    """Whether the module takes a step this long on factored Q4_1 tiles (Linear.forward)."""
+    tiles = linear.amx_weight
+    return tiles is not None and tiles.steps is not None and num_tokens >= tiles.min_rows
+
+
+def _linear_weights(linear: Linear, num_tokens: int) -> list[torch.Tensor]:
+    """The three tensors decode_layers takes for a linear: its tiles' levels, steps and
+    minimums, or its cpu_gemv panels for the step's size and two empty tensors."""
+    if _on_tiles(linear, num_tokens):
+        return list(linear.amx_weight.q4_1_operands(num_tokens))
+    return [linear.small_step_panels(num_tokens), _NONE, _NONE]
+
+
 class _Layer(NamedTuple):
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Linear                  # each linear gives its cpu_gemv panels for the step's size
+    qkv: Linear
     qkv_bias: torch.Tensor | None   # only q|k|v has a bias
     o: Linear
     gate_up: Linear
     down: Linear
 
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
     def weights(self, num_tokens: int) -> list[torch.Tensor]:
-        """The 7 tensors decode_layers takes for this layer (no bias: an empty tensor)."""
-        bias = self.qkv_bias if self.qkv_bias is not None else torch.empty(0)
-        return [self.input_norm, self.post_norm, self.qkv.small_step_panels(num_tokens), bias,
-                *(m.small_step_panels(num_tokens) for m in (self.o, self.gate_up, self.down))]
+        """The 15 tensors decode_layers takes for this layer (no bias: an empty tensor)."""
+        bias = self.qkv_bias if self.qkv_bias is not None else _NONE
+        return [self.input_norm, self.post_norm, bias,
+                *(t for m in self.linears for t in _linear_weights(m, num_tokens))]
 
 
 class DecodePlan:
@@ -55,13 +78,14 @@ class DecodePlan:
                  scale: float, loop: ModuleType, kernel_entry_points: list[object]) -> None:
         self.layers = layers
         self.num_layers = len(layers)
-        tiles = [m.amx_weight.min_rows for layer in layers
-                 for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                 if m.amx_weight is not None]
-        # GEMV_MAX_ROWS, or fewer where the linears' AMX tiles take shorter steps faster
-        self.max_tokens = min([GEMV_MAX_ROWS, *(rows - 1 for rows in tiles)])
-        # decode_layers takes one flat list, 7 per layer; the linears' panels depend on the
-        # step's size (compact ones for the fewest tokens), so one list per size, made once
+        hi_lo = [m.amx_weight.min_rows for layer in layers for m in layer.linears
+                 if m.amx_weight is not None and m.amx_weight.steps is None]
+        # GEMV_MAX_ROWS, or fewer where hi + lo tiles (which the loop has no kernel for) take
+        # shorter steps faster
+        self.max_tokens = min([GEMV_MAX_ROWS, *(rows - 1 for rows in hi_lo)])
+        # decode_layers takes one flat list, 15 per layer; the linears' weights depend on the
+        # step's size (compact panels for the fewest tokens, tiles for the most), so one list
+        # per size, made once
         self._weights_by_size: dict[int, list[torch.Tensor]] = {}
         self.eps, self.heads, self.kv_heads, self.scale = eps, heads, kv_heads, scale
         self.loop, self.entry_points = loop, kernel_entry_points
@@ -89,7 +113,9 @@ class DecodePlan:
             return None
         first = layers[0]
         attn = first.self_attn
-        kernels = (first.input_layernorm.kernel, load_gemv_kernel(), attn.backend.kernel)
+        kernels = [first.input_layernorm.kernel, load_gemv_kernel(), attn.backend.kernel]
+        if any(_on_tiles(m, GEMV_MAX_ROWS) for layer in plan_layers for m in layer.linears):
+            kernels.append(cpu_amx.load_kernel())   # it packed them, so it loads
         return cls(plan_layers, first.input_layernorm.eps, attn.num_heads, attn.num_kv_heads,
                    attn.backend.scale, loop, [e for k in kernels for e in k.entry_points()])
 

@@ -13,7 +13,11 @@
 
 namespace {
 
-constexpr size_t kWeightsPerLayer = 7;   // input norm, post norm, qkv, qkv bias, o, gate_up, down
+// input norm, post norm, qkv bias, then q|k|v, o, gate|up and down as three tensors each: the
+// small-M kernel's panels and two empty tensors, or Q4_1 levels on the AMX tiles, their steps
+// and their minimums (layers/cpu_amx.py)
+constexpr size_t kWeightsPerLayer = 3 + 4 * 3;
+enum LinearAt : size_t { kQkv = 3, kO = 6, kGateUp = 9, kDown = 12 };
 
 struct Kernels {
   tokenmill_entry::AddRmsNormIntoFn* add_rms_norm;
@@ -22,6 +26,18 @@ struct Kernels {
   tokenmill_entry::GemvIntoFn* gemv;
   tokenmill_entry::GemvOutFeaturesFn* gemv_out_features;
   tokenmill_entry::PagedDecodeAttentionFn* attention;
+  tokenmill_entry::AmxLinearQ4_1IntoFn* amx_linear_q4_1;   // null without AMX tiles
+
+  // y [n, out] = x [n, k] @ the linear's weight (w: its three tensors).
+  void linear(const float* x, int64_t n, int64_t k, const torch::Tensor* w, float* y) const {
+    if (w[1].numel() == 0) return gemv(x, n, k, w[0], y);
+    TORCH_CHECK(amx_linear_q4_1 != nullptr, "decode_layers: AMX tiles but no AMX kernel");
+    amx_linear_q4_1(x, n, k, w[0], w[1], w[2], y);
+  }
+
+  int64_t out_features(const torch::Tensor* w) const {
+    return w[1].numel() == 0 ? gemv_out_features(w[0]) : w[2].size(1);
+  }
 };
 
 Kernels import_kernels(const std::vector<pybind11::capsule>& capsules) {
@@ -31,7 +47,9 @@ Kernels import_kernels(const std::vector<pybind11::capsule>& capsules) {
           import_entry<SiluAndMulIntoFn>(capsules, "tokenmill.silu_and_mul_into"),
           import_entry<GemvIntoFn>(capsules, "tokenmill.gemv_into"),
           import_entry<GemvOutFeaturesFn>(capsules, "tokenmill.gemv_out_features"),
-          import_entry<PagedDecodeAttentionFn>(capsules, "tokenmill.paged_decode_attention")};
+          import_entry<PagedDecodeAttentionFn>(capsules, "tokenmill.paged_decode_attention"),
+          import_entry<AmxLinearQ4_1IntoFn>(capsules, "tokenmill.amx_linear_q4_1_into",
+                                            /*required=*/false)};
 }
 
 // A step's activations, [tokens, width] each, made once a step and reused by every layer;
@@ -72,7 +90,7 @@ void check_step(const std::vector<torch::Tensor>& weights, const std::vector<tor
                 int64_t dim) {
   TORCH_CHECK(!weights.empty() && weights.size() % kWeightsPerLayer == 0 &&
               caches.size() == 2 * (weights.size() / kWeightsPerLayer),
-              "decode_layers: 7 weights and 2 caches per layer");
+              "decode_layers: 15 weights and 2 caches per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layers: hidden [tokens, h]");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
               slot_mapping.numel() == hidden.size(0), "decode_layers: one int64 slot per token");
@@ -106,7 +124,7 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
               sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.size(0) == n &&
               dim % 2 == 0, "decode_layers: float32 hidden, contiguous cos/sin [tokens, "
               "head_dim], head_dim even");
-  const int64_t gate_up_width = k.gemv_out_features(weights[5]);
+  const int64_t gate_up_width = k.out_features(&weights[kGateUp]);
   // every layer checked before the first writes the cache (the linears check their K)
   const auto vector_of = [](const torch::Tensor& t, int64_t size) {
     return t.numel() == size && t.is_contiguous() && t.scalar_type() == torch::kFloat32;
@@ -114,9 +132,9 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
   for (size_t layer = 0; layer < caches.size() / 2; ++layer) {
     const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
     TORCH_CHECK(vector_of(w[0], h) && vector_of(w[1], h) &&
-                (w[3].numel() == 0 || vector_of(w[3], qkv_width)) &&
-                k.gemv_out_features(w[2]) == qkv_width && k.gemv_out_features(w[4]) == h &&
-                k.gemv_out_features(w[5]) == gate_up_width && k.gemv_out_features(w[6]) == h,
+                (w[2].numel() == 0 || vector_of(w[2], qkv_width)) &&
+                k.out_features(w + kQkv) == qkv_width && k.out_features(w + kO) == h &&
+                k.out_features(w + kGateUp) == gate_up_width && k.out_features(w + kDown) == h,
                 "decode_layers: layer ", layer, "'s weights do not fit the step's shapes");
   }
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -132,9 +150,9 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
     const float* input = layer == 0 ? hidden.data_ptr<float>() : ws.hidden_p;
     k.add_rms_norm(input, layer == 0 ? nullptr : ws.residual_p, w[0].data_ptr<float>(), eps_f,
                    n, h, ws.normed_p, ws.residual_p);
-    k.gemv(ws.normed_p, n, h, w[2], ws.qkv_p);
-    if (w[3].numel() > 0) {
-      const float* bias = w[3].data_ptr<float>();
+    k.linear(ws.normed_p, n, h, w + kQkv, ws.qkv_p);
+    if (w[2].numel() > 0) {
+      const float* bias = w[2].data_ptr<float>();
       for (int64_t t = 0; t < n; ++t)
         for (int64_t j = 0; j < qkv_width; ++j) ws.qkv_p[t * qkv_width + j] += bias[j];
     }
@@ -144,12 +162,12 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
     write_slots(ws.qkv_p + qk_width, qkv_width, slots, n, caches[2 * layer + 1]);
     k.attention(ws.attention, ws.q, caches[2 * layer], caches[2 * layer + 1], block_table,
                 seq_lens, scale, sliding_window);
-    k.gemv(ws.attention_p, n, heads * dim, w[4], ws.o_p);
+    k.linear(ws.attention_p, n, heads * dim, w + kO, ws.o_p);
     k.add_rms_norm(ws.o_p, ws.residual_p, w[1].data_ptr<float>(), eps_f, n, h, ws.normed_p,
                    ws.residual_p);
-    k.gemv(ws.normed_p, n, h, w[5], ws.gate_up_p);
+    k.linear(ws.normed_p, n, h, w + kGateUp, ws.gate_up_p);
     k.silu_and_mul(ws.gate_up_p, n, gate_up_width / 2, ws.act_p);
-    k.gemv(ws.act_p, n, gate_up_width / 2, w[6], ws.hidden_p);
+    k.linear(ws.act_p, n, gate_up_width / 2, w + kDown, ws.hidden_p);
   }
   return {ws.hidden, ws.residual};
 }

@@ -1,8 +1,9 @@
 """Compile a C++ CPU kernel on first use (torch.utils.cpp_extension, cached on disk).
 
-Kernels are built with -march=native, so the cached build is keyed by the CPU's feature flags:
-a cache directory shared between different machines never loads a foreign build. Without a
-working compiler the caller gets None after one warning and keeps its reference path.
+Kernels are built with -march=native, so the cached build is keyed by the CPU's feature flags
+(a cache directory shared between different machines never loads a foreign build) and by its
+own source text and flags. Without a working compiler the caller gets None after one warning
+and keeps its reference path.
 
 A build is one compiler process on one core, some 25-35 s here (torch_prelude.h, not
 <torch/extension.h>, saves ~12 s of each); `load_in_parallel` builds several at once.
@@ -31,6 +32,13 @@ def _cpu_features_key() -> str:
         features = ""
     features = features or platform.processor() or platform.machine()
     return hashlib.sha256(features.encode()).hexdigest()[:12]
+
+
+def _text_key(text: str, cflags: list[str]) -> str:
+    """The build's own key: two versions of a kernel (two checkouts side by side, an upgrade
+    while a server runs) never share a build directory. Sharing one, a process could load the
+    other's module: torch rebuilds on a changed source only within one process."""
+    return hashlib.sha256("\0".join([text, *cflags]).encode()).hexdigest()[:10]
 
 
 TORCH_PRELUDE = Path(__file__).with_name("torch_prelude.h")   # the torch headers kernels use
@@ -63,12 +71,12 @@ def compile_cpu_extension(prefix: str, source: Path, functions: list[str], name:
     `headers` are put in front of the source text, so a change to them rebuilds the kernel."""
     try:
         from torch.utils.cpp_extension import load_inline
-        return load_inline(name=f"{prefix}_{_cpu_features_key()}",
-                           cpp_sources=["".join(h.read_text() for h in (TORCH_PRELUDE, *headers))
-                                        + source.read_text()
-                                        + python_bindings(functions, keep_gil)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
-                           extra_ldflags=["-fopenmp"], no_implicit_headers=True)
+        text = ("".join(h.read_text() for h in (TORCH_PRELUDE, *headers)) + source.read_text()
+                + python_bindings(functions, keep_gil))
+        cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
+        return load_inline(name=f"{prefix}_{_cpu_features_key()}_{_text_key(text, cflags)}",
+                           cpp_sources=[text], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                           no_implicit_headers=True)
     except Exception as error:  # no compiler, no ninja, a build error: the caller falls back
         first_line = str(error).splitlines()[0] if str(error) else repr(error)
         logger.warning("%s unavailable, using %s: %s", name, fallback, first_line)

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from tests.helpers.gil import longest_stall_beside
-from tokenmill.layers.cpu_amx import (AMX_MIN_ROWS, AMX_Q4_1_MIN_ROWS, amx_linear, load_kernel,
-                                     pack_amx_weight)
+from tokenmill.layers.cpu_amx import (AMX_MIN_ROWS, AMX_Q4_1_MIN_ROWS, AMX_Q8_0_MIN_ROWS,
+                                     amx_linear, load_kernel, pack_amx_weight)
 from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill.layers.linear import Linear
@@ -36,7 +36,17 @@ def q4_1_weight(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
     return (levels * step + low).reshape(rows, cols)
 
 
-WEIGHTS = {"two_bf16": two_bf16_weight, "q4_1": q4_1_weight}
+def q8_0_weight(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Q8_0 values as a GGUF file loads them: d * q in fp32, q in -127..127, a d (fp16) for
+    each 32 inputs of a row (127 occurs: d is the block's largest value over 127)."""
+    levels = torch.randint(-127, 128, (rows, cols // 32, 32), generator=gen).float()
+    levels[..., 0] = 127
+    step = (torch.rand(rows, cols // 32, 1, generator=gen) * 0.01 + 1e-4).half().float()
+    return (levels * step).reshape(rows, cols)
+
+
+WEIGHTS = {"two_bf16": two_bf16_weight, "q4_1": q4_1_weight, "q8_0": q8_0_weight}
+FACTORED = ("q4_1", "q8_0")
 
 
 def max_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> float:
@@ -50,12 +60,13 @@ def test_as_accurate_as_an_fp32_gemm(rows, blocks, col_tiles, seed, kind):
     """Exact products summed in fp32: no further from the float64 product than F.linear's
     fp32 GEMM (within a factor of two: the sums run in another order), at every shape the
     tiles cut, partial row tiles and one or two leftover column tiles included; Q4_1 weights
-    in their factored form, the others as hi + lo tiles."""
+    and Q8_0 weights in their factored form, the others as hi + lo tiles."""
     gen = torch.Generator().manual_seed(seed)
     weight = WEIGHTS[kind](col_tiles * 16, blocks * 32, gen)
     x = torch.randn(rows, blocks * 32, generator=gen)
     packed = pack_amx_weight(weight)
-    assert packed is not None and (packed.steps is not None) == (kind == "q4_1")
+    assert packed is not None and (packed.steps is not None) == (kind in FACTORED)
+    assert (packed.mins is not None) == (kind == "q4_1")
     got = amx_linear(x, packed)
     assert got.shape == (rows, col_tiles * 16)
     reference_error = max_error(F.linear(x, weight), x, weight)
@@ -84,8 +95,8 @@ def test_four_bit_levels_give_the_bf16_tiles_result_to_the_bit(rows, blocks, col
     packed = pack_amx_weight(q4_1_weight(col_tiles * 16, blocks * 32, gen))
     x = torch.randn(rows, blocks * 32, generator=gen)
     kernel = load_kernel()
-    from_nibbles = kernel.amx_linear_q4_1(x, packed.nibbles, packed.steps, packed.mins)
-    assert torch.equal(from_nibbles, kernel.amx_linear_q4_1(x, packed.tiles, packed.steps,
+    from_nibbles = kernel.amx_linear_factored(x, packed.nibbles, packed.steps, packed.mins)
+    assert torch.equal(from_nibbles, kernel.amx_linear_factored(x, packed.tiles, packed.steps,
                                                             packed.mins))
     assert torch.equal(amx_linear(x, packed), from_nibbles)
 
@@ -93,7 +104,7 @@ def test_four_bit_levels_give_the_bf16_tiles_result_to_the_bit(rows, blocks, col
 def test_four_bit_levels_refuse_a_long_step():
     packed = pack_amx_weight(q4_1_weight(16, 32, torch.Generator().manual_seed(2)))
     with pytest.raises(RuntimeError, match="at most 16 rows"):
-        load_kernel().amx_linear_q4_1(torch.randn(17, 32), packed.nibbles, packed.steps,
+        load_kernel().amx_linear_factored(torch.randn(17, 32), packed.nibbles, packed.steps,
                                       packed.mins)
 
 
@@ -113,7 +124,8 @@ def test_hi_lo_tiles_refuse_a_subnormal_lo():
 
 
 @pytest.mark.parametrize("kind, min_rows", [("two_bf16", AMX_MIN_ROWS),
-                                             ("q4_1", AMX_Q4_1_MIN_ROWS)])
+                                             ("q4_1", AMX_Q4_1_MIN_ROWS),
+                                             ("q8_0", AMX_Q8_0_MIN_ROWS)])
 def test_linear_routes_long_steps_to_the_tiles_and_keeps_onednn_for_other_weights(kind, min_rows):
     gen = torch.Generator().manual_seed(5)
     exact, plain = Linear(96, 64, bias=True), Linear(96, 64)

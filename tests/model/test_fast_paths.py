@@ -46,18 +46,20 @@ def fast_path_active(llm) -> bool:
     kernel = "cpu_paged" if load_kernel() is not None else "torch"
     gemv = load_gemv_kernel() is not None
     fused = load_fused_kernel() is not None
-    # the layers' Q4_1 weights go on the AMX tiles (in the factored form) instead of oneDNN's
-    # layout where the CPU has them (the decode plan too takes them from AMX_Q4_1_MIN_ROWS
-    # rows); the Q8_0 lm_head keeps oneDNN
+    # the layers' Q4_1 weights and the Q8_0 lm_head go on the AMX tiles (in the factored form)
+    # instead of oneDNN's layout where the CPU has them (the decode plan too takes the layers'
+    # from AMX_Q4_1_MIN_ROWS rows)
     amx = gemv and load_amx_kernel() is not None
     plan = model.model.decode_plan
     return (layer.self_attn.backend.name == kernel
-            and (layer.mlp.gate_up_proj.amx_weight is not None) == amx
-            and (not amx or layer.mlp.gate_up_proj.amx_weight.steps is not None)
+            and all((m.amx_weight is not None) == amx for m in (layer.mlp.gate_up_proj,
+                                                              model.lm_head))
+            and (not amx or layer.mlp.gate_up_proj.amx_weight.mins is not None)    # Q4_1
+            and (not amx or (model.lm_head.amx_weight.steps is not None            # Q8_0
+                             and model.lm_head.amx_weight.mins is None))
             and (plan is None or plan.max_tokens == GEMV_MAX_ROWS)
-            and (layer.mlp.gate_up_proj.packed_weight is not None) == (not amx)
-            and model.lm_head.amx_weight is None
-            and model.lm_head.packed_weight is not None
+            and all((m.packed_weight is not None) == (not amx) for m in (layer.mlp.gate_up_proj,
+                                                                         model.lm_head))
             and layer.mlp.gate_up_proj.has_gemv_panels == gemv
             and model.lm_head.has_gemv_panels == gemv
             # the default model is Q4_1 with a Q8_0 embedding (the tied lm_head)

@@ -74,5 +74,6 @@ def test_kernels_build_and_agree_without_avx512(isa, builds):
 def test_the_amx_kernel_builds_without_the_tiles_and_takes_no_weight(isa, builds):
     amx = builds[cpu_amx.KERNEL.prefix, isa]
     assert amx is not None and not amx.amx_available()
-    weight = torch.zeros(16, 32)   # exactly Q4_1 and two bf16 numbers: refused all the same
-    assert amx.pack_amx_q4_1(weight) == [] and amx.pack_amx_weight(weight).numel() == 0
+    weight = torch.zeros(16, 32)   # exactly Q4_1, Q8_0 and two bf16 numbers: refused all the same
+    assert amx.pack_amx_q4_1(weight) == [] and amx.pack_amx_q8_0(weight) == []
+    assert amx.pack_amx_weight(weight).numel() == 0

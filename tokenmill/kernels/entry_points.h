@@ -18,9 +18,11 @@ using SiluAndMulIntoFn = void(const float* gate_up, int64_t rows, int64_t n, flo
 using GemvIntoFn = void(const float* x, int64_t m, int64_t k, const torch::Tensor& packed,
                         float* y);
 using GemvOutFeaturesFn = int64_t(const torch::Tensor& packed);
-// y [m, N] = x [m, k] @ W^T for W as GGUF Q4_1 values on the AMX tiles (layers/cpu_amx.py).
-using AmxLinearQ4_1IntoFn = void(const float* x, int64_t m, int64_t k, const torch::Tensor& levels,
-                                 const torch::Tensor& steps, const torch::Tensor& mins, float* y);
+// y [m, N] = x [m, k] @ W^T for W as GGUF Q4_1 or Q8_0 values on the AMX tiles, factored
+// (layers/cpu_amx.py).
+using AmxLinearFactoredIntoFn = void(const float* x, int64_t m, int64_t k,
+                                     const torch::Tensor& levels, const torch::Tensor& steps,
+                                     const torch::Tensor& mins, float* y);
 using PagedDecodeAttentionFn = void(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
                                     torch::Tensor v_cache, torch::Tensor block_table,
                                     torch::Tensor seq_lens, double scale, int64_t sliding_window);

@@ -30,10 +30,14 @@ AMX_MIN_ROWS = 80
 # decode steps (short contexts) against compact panels, paired medians of 6, thirtieth
 # session: 8 rows 0.87x, 12 rows 1.15x, 16 rows 1.13x (docs/benchmarks.md).
 AMX_Q4_1_MIN_ROWS = 12
+# Q8_0 weights (the default model's tied lm_head, 49152 x 576) against the compact Q8_0
+# panels, medians of 21 alternating calls, thirtieth session: M = 4: 0.52x, 8: 0.99x, 12:
+# 1.34x, 16: 1.80x, 32: 1.79x, 64: 1.94x.
+AMX_Q8_0_MIN_ROWS = 12
 
 KERNEL = CpuExtension("tokenmill_cpu_amx", Path(__file__).with_name("cpu_amx_kernel.cpp"),
                       ["amx_available", "pack_amx_weight", "amx_linear", "pack_amx_q4_1",
-                       "amx_linear_q4_1", "entry_points"], "AMX linear kernel",
+                       "pack_amx_q8_0", "amx_linear_factored", "entry_points"], "AMX linear kernel",
                       "oneDNN for long steps", headers=(ENTRY_POINTS, WORK_SHARING, BLOCK_FORMATS))
 
 
@@ -41,25 +45,32 @@ KERNEL = CpuExtension("tokenmill_cpu_amx", Path(__file__).with_name("cpu_amx_ker
 TILE_ROWS = 16
 
 
+_NONE = torch.empty(0)
+
+
 @dataclass(frozen=True)
 class AmxWeight:
-    """A weight on the tiles: Q4_1 levels (as bf16 tiles, and in four bits for short steps)
-    with their blocks' steps and minimums, or (the rest None) hi + lo bf16 tiles."""
+    """A weight on the tiles, factored: Q4_1 levels (as bf16 tiles, and in four bits for
+    short steps) with their blocks' steps and minimums, or Q8_0 levels (bf16 tiles) and
+    steps; or (steps None) hi + lo bf16 tiles."""
     tiles: torch.Tensor
     steps: torch.Tensor | None = None
-    mins: torch.Tensor | None = None
-    nibbles: torch.Tensor | None = None
+    mins: torch.Tensor | None = None      # Q4_1 only
+    nibbles: torch.Tensor | None = None   # Q4_1 only
 
-    def q4_1_operands(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """levels, steps and minimums for a step of `rows` (Q4_1 only): the four-bit levels
-        up to TILE_ROWS rows, the bf16 tiles above."""
-        levels = self.nibbles if rows <= TILE_ROWS else self.tiles
-        return levels, self.steps, self.mins
+    def factored_operands(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """levels, steps and minimums (empty for Q8_0) for a step of `rows`: the four-bit
+        levels up to TILE_ROWS rows where there are some, the bf16 tiles otherwise."""
+        short = self.nibbles is not None and rows <= TILE_ROWS
+        return (self.nibbles if short else self.tiles, self.steps,
+                self.mins if self.mins is not None else _NONE)
 
     @property
     def min_rows(self) -> int:
         """The fewest rows of a step that it takes rather than the small-M kernel's panels."""
-        return AMX_MIN_ROWS if self.steps is None else AMX_Q4_1_MIN_ROWS
+        if self.steps is None:
+            return AMX_MIN_ROWS
+        return AMX_Q4_1_MIN_ROWS if self.mins is not None else AMX_Q8_0_MIN_ROWS
 
 
 def load_kernel() -> ModuleType | None:
@@ -69,15 +80,15 @@ def load_kernel() -> ModuleType | None:
 
 
 def pack_amx_weight(weight: torch.Tensor, factored: bool = True) -> AmxWeight | None:
-    """The weight on the tiles (in the factored Q4_1 form where it holds Q4_1 values, unless
-    not `factored`), or None where the kernel cannot take it exactly (a weight neither Q4_1
-    nor two bf16 numbers, a shape not in whole tiles, no AMX)."""
+    """The weight on the tiles (in the factored form where it holds Q4_1 or Q8_0 values,
+    unless not `factored`), or None where the kernel cannot take it exactly (a weight neither
+    Q4_1, Q8_0 nor two bf16 numbers, a shape not in whole tiles, no AMX)."""
     kernel = load_kernel()
     if kernel is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
-    q4_1 = kernel.pack_amx_q4_1(weight) if factored else []
-    if q4_1:
-        return AmxWeight(*q4_1)
+    for pack in (kernel.pack_amx_q4_1, kernel.pack_amx_q8_0) if factored else ():
+        if parts := pack(weight):
+            return AmxWeight(*parts)
     packed = kernel.pack_amx_weight(weight)
     return AmxWeight(packed) if packed.numel() else None
 
@@ -86,5 +97,5 @@ def amx_linear(x: torch.Tensor, weight: AmxWeight) -> torch.Tensor:
     """x [M, K] (contiguous fp32) @ the packed weight's [N, K]^T."""
     kernel = load_kernel()
     if weight.steps is not None:
-        return kernel.amx_linear_q4_1(x, *weight.q4_1_operands(x.shape[0]))
+        return kernel.amx_linear_factored(x, *weight.factored_operands(x.shape[0]))
     return kernel.amx_linear(x, weight.tiles)

@@ -29,7 +29,7 @@
 // (twenty-ninth session): 1.42x while the VM's tile unit ran slow, 1.0-1.15x while it ran
 // fast (then tile loads and the readouts, not the products, set the pace).
 //
-// Decode steps of up to 16 rows (the C++ decode loop calls amx_linear_q4_1_into) configure the
+// Decode steps of up to 16 rows (the C++ decode loop calls amx_linear_factored_into) configure the
 // accumulators and x tiles for their rows only and read the levels in four bits, rebuilt as
 // bf16 tiles in L1 a block at a time (expand_levels). SmolLM2's 120 layer linears, thirtieth
 // session, medians of 9: 16 rows 13.95 ms against 15.09 from the bf16 tiles and 15.61 from
@@ -65,6 +65,7 @@ constexpr int64_t kXTerms = 3;         // hi, mid, lo of each x
 constexpr int64_t kWTerms = 2;         // hi, lo of each weight
 constexpr int64_t kColGroup = 3;       // column tiles of a work item
 constexpr int64_t kL2Budget = 768 * 1024;  // split rows of a work item's row block
+constexpr int64_t kNibbleTile = kTile / 2;  // bytes of a tile of four-bit levels
 
 #ifdef TOKENMILL_AMX
 // Linux hands out the tile state on request, once per process (arch_prctl).
@@ -208,7 +209,8 @@ void block_sums(const float* x, int64_t rows, int64_t k, float* sums) {
   });
 }
 
-// What the blocks' minimums add to y: the rows' block sums times the minimums.
+// What the blocks' minimums add to y: the rows' block sums times the minimums (both null for
+// Q8_0 weights, which have none).
 struct MinTerms {
   const float* sums;   // [rows, blocks]
   const float* mins;   // [blocks, n]
@@ -224,7 +226,7 @@ inline void start_from_min_terms(const MinTerms& m, int64_t blocks, int64_t row0
     for (int j = 0; j < kColTiles; ++j) {
       __m512 sum = _mm512_setzero_ps();
       const float* s = m.sums + (row0 + r) * blocks;
-      for (int64_t b = 0; r < live && b < blocks; ++b)
+      for (int64_t b = 0; m.sums != nullptr && r < live && b < blocks; ++b)
         sum = _mm512_fmadd_ps(_mm512_set1_ps(s[b]),
                               _mm512_loadu_ps(m.mins + b * n + col0 + j * kCols), sum);
       _mm512_store_ps(&acc[r][j * kCols], sum);
@@ -237,7 +239,7 @@ inline void start_from_min_terms(const MinTerms& m, int64_t blocks, int64_t row0
 // a block; they are stored to one of two scratch buffers, and the block before is scaled into
 // `acc` meanwhile.
 template <int kColTiles>
-void q4_1_row_block(const uint16_t* xs, const uint16_t* levels, const float* steps,
+void factored_row_block(const uint16_t* xs, const uint16_t* levels, const float* steps,
                     const MinTerms& min_terms, int64_t blocks, int64_t row0, int64_t rows,
                     int64_t col0, float* y, int64_t n) {
   constexpr int64_t kWidth = kColTiles * kCols;
@@ -282,8 +284,6 @@ void q4_1_row_block(const uint16_t* xs, const uint16_t* levels, const float* ste
 
 // Q4_1 levels four bits each, in the tiles' VNNI order: byte j of a tile row i holds the levels
 // of column j at k = 2i (low nibble) and 2i + 1 (high), so a tile is 256 bytes, not 1 KB.
-constexpr int64_t kNibbleTile = kTile / 2;
-
 // A tile of levels from its nibbles, as bf16 (16 rows of 32), into `out`: each byte widened to
 // a 32-bit lane holding its two levels as 16-bit numbers, which a table turns into bf16.
 inline void expand_levels(const uint8_t* nibbles, uint16_t* out) {
@@ -302,11 +302,11 @@ inline void expand_levels(const uint8_t* nibbles, uint16_t* out) {
   }
 }
 
-// q4_1_row_block for a step of at most 16 rows from the 4-bit levels: each block's level tiles
+// factored_row_block for a step of at most 16 rows from the 4-bit levels: each block's level tiles
 // are rebuilt in L1 before the tile unit loads them. Streaming a quarter of the bytes, a step
 // this short is paced by its products and readouts instead of by memory.
 template <int kColTiles>
-void q4_1_short_block(const uint16_t* xs, const uint8_t* nibbles, const float* steps,
+void factored_short_block(const uint16_t* xs, const uint8_t* nibbles, const float* steps,
                       const MinTerms& min_terms, int64_t blocks, int64_t rows, int64_t col0,
                       float* y, int64_t n) {
   constexpr int64_t kWidth = kColTiles * kCols;
@@ -470,23 +470,27 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
 #endif
 }
 
-// W [N, K] of Q4_1 values (w = d q + m as gemv_blocks::Q4_1 rebuilds them, bit for bit) ->
-// {levels [N / 16, K / 32, 512] bf16 tiles (VNNI order), steps d [N / 16, K / 32, 16] fp32,
-// minimums m [K / 32, N] fp32, the levels again in four bits [N / 16, K / 32, 256] uint8
-// (for steps of at most 16 rows)}; an empty list when some block is not Q4_1 (or the shape or
-// the build does not allow the tiles).
-std::vector<torch::Tensor> pack_amx_q4_1(torch::Tensor weight) {
+namespace {
+
+// W [N, K] of Format's values (as gemv_blocks rebuilds them, bit for bit) -> {levels [N / 16,
+// K / 32, 512] bf16 tiles (VNNI order), steps d [N / 16, K / 32, 16] fp32}, with Q4_1 also
+// {minimums m [K / 32, N] fp32, the levels again in four bits [N / 16, K / 32, 256] uint8 (for
+// steps of at most 16 rows)}; an empty list when some block is not of the format (or the
+// shape or the build does not allow the tiles).
+template <typename Format>
+std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_minimums) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32,
-              "pack_amx_q4_1: a 2-D float32 weight");
+              "pack_amx_factored: a 2-D float32 weight");
 #ifdef TOKENMILL_AMX
   const int64_t n = weight.size(0), k = weight.size(1);
   if (n % amx::kCols != 0 || k % amx::kSteps != 0 || k == 0 || !amx_available()) return {};
   auto w = weight.contiguous();
-  const int64_t blocks = k / amx::kSteps;
-  auto levels = torch::empty({n / amx::kCols, blocks, amx::kTile}, torch::kBFloat16);
-  auto steps = torch::empty({n / amx::kCols, blocks, amx::kCols}, torch::kFloat32);
-  auto mins = torch::empty({blocks, n}, torch::kFloat32);
-  auto nibbles = torch::zeros({n / amx::kCols, blocks, amx::kNibbleTile}, torch::kUInt8);
+  const int64_t blocks = k / amx::kSteps, col_tiles = n / amx::kCols;
+  auto levels = torch::empty({col_tiles, blocks, amx::kTile}, torch::kBFloat16);
+  auto steps = torch::empty({col_tiles, blocks, amx::kCols}, torch::kFloat32);
+  auto mins = torch::empty({with_minimums ? blocks : 0, n}, torch::kFloat32);
+  auto nibbles = torch::zeros({with_minimums ? col_tiles : 0, blocks, amx::kNibbleTile},
+                              torch::kUInt8);
   const float* wp = w.data_ptr<float>();
   auto* lp = reinterpret_cast<uint16_t*>(levels.data_ptr());
   float* dp = steps.data_ptr<float>();
@@ -498,35 +502,48 @@ std::vector<torch::Tensor> pack_amx_q4_1(torch::Tensor weight) {
     int q[amx::kSteps];
     for (int64_t row = first; row < last && exact; ++row)
       for (int64_t b = 0; b < blocks; ++b) {
-        if (!gemv_blocks::Q4_1::fit(wp + row * k + b * amx::kSteps, scales, q)) {
+        if (!Format::fit(wp + row * k + b * amx::kSteps, scales, q)) {
           exact = false;
           return;
         }
         const int64_t tile = row / amx::kCols * blocks + b, col = row % amx::kCols;
         dp[tile * amx::kCols + col] = scales[0];
-        mp[b * n + row] = scales[1];
+        if (with_minimums) mp[b * n + row] = scales[1];
         for (int64_t c = 0; c < amx::kSteps; ++c) {   // VNNI order, as pack_amx_weight
           lp[tile * amx::kTile + (c / 2) * 2 * amx::kCols + col * 2 + c % 2] =
               amx::bf16_bits(static_cast<float>(q[c]));
-          np[tile * amx::kNibbleTile + (c / 2) * amx::kCols + col] |= q[c] << (4 * (c % 2));
+          if (with_minimums)
+            np[tile * amx::kNibbleTile + (c / 2) * amx::kCols + col] |= q[c] << (4 * (c % 2));
         }
       }
   });
   if (!exact) return {};
+  if (!with_minimums) return {levels, steps};
   return {levels, steps, mins, nibbles};
 #else
   return {};
 #endif
 }
 
+}  // namespace
+
+std::vector<torch::Tensor> pack_amx_q4_1(torch::Tensor weight) {
+  return pack_factored<gemv_blocks::Q4_1>(weight, true);
+}
+
+// Q8_0 values (w = d q, q in -128..127: one exact bf16 too): {levels, steps}.
+std::vector<torch::Tensor> pack_amx_q8_0(torch::Tensor weight) {
+  return pack_factored<gemv_blocks::Q8_0>(weight, false);
+}
+
 namespace {
 
-// levels: bf16 tiles, or (for at most 16 rows) their four-bit form.
-void check_q4_1(int64_t rows, int64_t k, const torch::Tensor& levels, const torch::Tensor& steps,
-                const torch::Tensor& mins) {
+// levels: bf16 tiles, or (for at most 16 rows) their four-bit form; mins empty for Q8_0.
+void check_factored(int64_t rows, int64_t k, const torch::Tensor& levels,
+                    const torch::Tensor& steps, const torch::Tensor& mins) {
   const bool nibbles = levels.scalar_type() == torch::kUInt8;
   TORCH_CHECK(!nibbles || rows <= amx::kRows,
-              "amx_linear_q4_1: four-bit levels take at most 16 rows");
+              "amx_linear_factored: four-bit levels take at most 16 rows");
   TORCH_CHECK(levels.dim() == 3 && levels.is_contiguous() &&
                   levels.scalar_type() == (nibbles ? torch::kUInt8 : torch::kBFloat16) &&
                   levels.size(2) == (nibbles ? amx::kNibbleTile : amx::kTile) &&
@@ -535,8 +552,9 @@ void check_q4_1(int64_t rows, int64_t k, const torch::Tensor& levels, const torc
                   steps.sizes() ==
                       torch::IntArrayRef({levels.size(0), levels.size(1), amx::kCols}) &&
                   mins.scalar_type() == torch::kFloat32 &&
-                  mins.sizes() == torch::IntArrayRef({levels.size(1), levels.size(0) * amx::kCols}),
-              "amx_linear_q4_1: weight tiles do not match x");
+                  (mins.numel() == 0 ||
+                   mins.sizes() == torch::IntArrayRef({levels.size(1), levels.size(0) * amx::kCols})),
+              "amx_linear_factored: weight tiles do not match x");
 }
 
 }  // namespace
@@ -544,17 +562,19 @@ void check_q4_1(int64_t rows, int64_t k, const torch::Tensor& levels, const torc
 // y [rows, N] = x [rows, k] @ W^T, both dense rows, W packed by pack_amx_q4_1: the rows' block
 // sums times the minimums, then each block's x . q scaled by its d. The raw
 // form is what the C++ decode loop calls (kernels/entry_points.h).
-void amx_linear_q4_1_into(const float* x, int64_t rows, int64_t k, const torch::Tensor& levels,
+void amx_linear_factored_into(const float* x, int64_t rows, int64_t k, const torch::Tensor& levels,
                           const torch::Tensor& steps, const torch::Tensor& mins, float* y) {
-  check_q4_1(rows, k, levels, steps, mins);
+  check_factored(rows, k, levels, steps, mins);
 #ifdef TOKENMILL_AMX
-  TORCH_CHECK(amx_available(), "amx_linear_q4_1: this process may not use the AMX tiles");
+  TORCH_CHECK(amx_available(), "amx_linear_factored: this process may not use the AMX tiles");
   const int64_t blocks = k / amx::kSteps, col_tiles = levels.size(0), n = col_tiles * amx::kCols;
   if (rows == 0) return;
-  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
-  auto sums = torch::empty({rows, blocks}, f32);
-  amx::block_sums(x, rows, k, sums.data_ptr<float>());
-  const amx::MinTerms min_terms{sums.data_ptr<float>(), mins.data_ptr<float>()};
+  auto sums = torch::empty({mins.numel() ? rows : 0, blocks}, torch::kFloat32);
+  amx::MinTerms min_terms{nullptr, nullptr};
+  if (mins.numel()) {
+    amx::block_sums(x, rows, k, sums.data_ptr<float>());
+    min_terms = {sums.data_ptr<float>(), mins.data_ptr<float>()};
+  }
   auto xs = amx::split_input(x, rows, k);
   const auto* xsp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
   const float* dp = steps.data_ptr<float>();
@@ -562,34 +582,34 @@ void amx_linear_q4_1_into(const float* x, int64_t rows, int64_t k, const torch::
     return amx::for_each_short_tile(rows, col_tiles, [&](int64_t col0, int64_t cols) {
       const uint8_t* np = levels.data_ptr<uint8_t>();
       if (cols == 3)
-        amx::q4_1_short_block<3>(xsp, np, dp, min_terms, blocks, rows, col0, y, n);
+        amx::factored_short_block<3>(xsp, np, dp, min_terms, blocks, rows, col0, y, n);
       else if (cols == 2)
-        amx::q4_1_short_block<2>(xsp, np, dp, min_terms, blocks, rows, col0, y, n);
+        amx::factored_short_block<2>(xsp, np, dp, min_terms, blocks, rows, col0, y, n);
       else
-        amx::q4_1_short_block<1>(xsp, np, dp, min_terms, blocks, rows, col0, y, n);
+        amx::factored_short_block<1>(xsp, np, dp, min_terms, blocks, rows, col0, y, n);
     });
   const auto* lp = reinterpret_cast<const uint16_t*>(levels.data_ptr());
   amx::for_each_tile(rows, k, col_tiles, [&](int64_t row0, int64_t col0, int64_t cols) {
     if (cols == 3)
-      amx::q4_1_row_block<3>(xsp, lp, dp, min_terms, blocks, row0, rows, col0, y, n);
+      amx::factored_row_block<3>(xsp, lp, dp, min_terms, blocks, row0, rows, col0, y, n);
     else if (cols == 2)
-      amx::q4_1_row_block<2>(xsp, lp, dp, min_terms, blocks, row0, rows, col0, y, n);
+      amx::factored_row_block<2>(xsp, lp, dp, min_terms, blocks, row0, rows, col0, y, n);
     else
-      amx::q4_1_row_block<1>(xsp, lp, dp, min_terms, blocks, row0, rows, col0, y, n);
+      amx::factored_row_block<1>(xsp, lp, dp, min_terms, blocks, row0, rows, col0, y, n);
   });
 #else
-  TORCH_CHECK(false, "amx_linear_q4_1: this build has no AMX tiles");
+  TORCH_CHECK(false, "amx_linear_factored: this build has no AMX tiles");
 #endif
 }
 
 // y = x @ W^T for x [M, K] fp32 and W packed by pack_amx_q4_1.
-torch::Tensor amx_linear_q4_1(torch::Tensor x, torch::Tensor levels, torch::Tensor steps,
+torch::Tensor amx_linear_factored(torch::Tensor x, torch::Tensor levels, torch::Tensor steps,
                               torch::Tensor mins) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "amx_linear_q4_1: a contiguous 2-D float32 input");
-  check_q4_1(x.size(0), x.size(1), levels, steps, mins);
+              "amx_linear_factored: a contiguous 2-D float32 input");
+  check_factored(x.size(0), x.size(1), levels, steps, mins);
   auto y = torch::empty({x.size(0), levels.size(0) * amx::kCols}, x.options());
-  amx_linear_q4_1_into(x.data_ptr<float>(), x.size(0), x.size(1), levels, steps, mins,
+  amx_linear_factored_into(x.data_ptr<float>(), x.size(0), x.size(1), levels, steps, mins,
                        y.data_ptr<float>());
   return y;
 }
@@ -597,6 +617,6 @@ torch::Tensor amx_linear_q4_1(torch::Tensor x, torch::Tensor levels, torch::Tens
 // For the C++ decode loop (kernels/entry_points.h).
 std::vector<pybind11::capsule> entry_points() {
   using namespace tokenmill_entry;
-  return {export_entry<AmxLinearQ4_1IntoFn>(&amx_linear_q4_1_into,
-                                            "tokenmill.amx_linear_q4_1_into")};
+  return {export_entry<AmxLinearFactoredIntoFn>(&amx_linear_factored_into,
+                                            "tokenmill.amx_linear_factored_into")};
 }

@@ -14,8 +14,8 @@
 namespace {
 
 // input norm, post norm, qkv bias, then q|k|v, o, gate|up and down as three tensors each: the
-// small-M kernel's panels and two empty tensors, or Q4_1 levels on the AMX tiles, their steps
-// and their minimums (layers/cpu_amx.py)
+// small-M kernel's panels and two empty tensors, or Q4_1 (Q8_0) levels on the AMX tiles, their
+// steps and their minimums (none) (layers/cpu_amx.py)
 constexpr size_t kWeightsPerLayer = 3 + 4 * 3;
 enum LinearAt : size_t { kQkv = 3, kO = 6, kGateUp = 9, kDown = 12 };
 
@@ -26,17 +26,17 @@ struct Kernels {
   tokenmill_entry::GemvIntoFn* gemv;
   tokenmill_entry::GemvOutFeaturesFn* gemv_out_features;
   tokenmill_entry::PagedDecodeAttentionFn* attention;
-  tokenmill_entry::AmxLinearQ4_1IntoFn* amx_linear_q4_1;   // null without AMX tiles
+  tokenmill_entry::AmxLinearFactoredIntoFn* amx_linear_factored;   // null without AMX tiles
 
   // y [n, out] = x [n, k] @ the linear's weight (w: its three tensors).
   void linear(const float* x, int64_t n, int64_t k, const torch::Tensor* w, float* y) const {
     if (w[1].numel() == 0) return gemv(x, n, k, w[0], y);
-    TORCH_CHECK(amx_linear_q4_1 != nullptr, "decode_layers: AMX tiles but no AMX kernel");
-    amx_linear_q4_1(x, n, k, w[0], w[1], w[2], y);
+    TORCH_CHECK(amx_linear_factored != nullptr, "decode_layers: AMX tiles but no AMX kernel");
+    amx_linear_factored(x, n, k, w[0], w[1], w[2], y);
   }
 
   int64_t out_features(const torch::Tensor* w) const {
-    return w[1].numel() == 0 ? gemv_out_features(w[0]) : w[2].size(1);
+    return w[1].numel() == 0 ? gemv_out_features(w[0]) : w[1].size(0) * w[1].size(2);
   }
 };
 
@@ -48,7 +48,7 @@ Kernels import_kernels(const std::vector<pybind11::capsule>& capsules) {
           import_entry<GemvIntoFn>(capsules, "tokenmill.gemv_into"),
           import_entry<GemvOutFeaturesFn>(capsules, "tokenmill.gemv_out_features"),
           import_entry<PagedDecodeAttentionFn>(capsules, "tokenmill.paged_decode_attention"),
-          import_entry<AmxLinearQ4_1IntoFn>(capsules, "tokenmill.amx_linear_q4_1_into",
+          import_entry<AmxLinearFactoredIntoFn>(capsules, "tokenmill.amx_linear_factored_into",
                                             /*required=*/false)};
 }
 

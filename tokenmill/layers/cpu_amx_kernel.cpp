@@ -233,55 +233,6 @@ inline void start_from_min_terms(const MinTerms& m, int64_t blocks, int64_t row0
     }
 }
 
-// The factored Q4_1 form of row_block: y rows [row0, row0 + 16) x columns [col0, col0 + 16
-// kColTiles) = the m terms + sum over blocks of d (x . q). Per block: x.hi, x.mid and x.lo
-// (tiles 3 and 7 in turn) against the column tiles' levels (4-6) into accumulators 0-2, zeroed
-// a block; they are stored to one of two scratch buffers, and the block before is scaled into
-// `acc` meanwhile.
-template <int kColTiles>
-void factored_row_block(const uint16_t* xs, const uint16_t* levels, const float* steps,
-                    const MinTerms& min_terms, int64_t blocks, int64_t row0, int64_t rows,
-                    int64_t col0, float* y, int64_t n) {
-  constexpr int64_t kWidth = kColTiles * kCols;
-  alignas(64) float acc[kRows][kWidth];
-  alignas(64) float products[2][kRows][kWidth];
-  const int64_t live = std::min(kRows, rows - row0);
-  start_from_min_terms<kColTiles>(min_terms, blocks, row0, live, col0, n, acc);
-  const int64_t level_stride = blocks * kTile;
-  const uint16_t* a = xs + (row0 / kRows) * blocks * kXTerms * kTile;
-  const uint16_t* q0 = levels + (col0 / kCols) * level_stride;
-  const float* d0 = steps + (col0 / kCols) * blocks * kCols;
-  auto scale_in = [&](int64_t b, float (*block)[kWidth]) {
-#pragma GCC unroll 3
-    for (int j = 0; j < kColTiles; ++j) {
-      const __m512 d = _mm512_loadu_ps(d0 + (j * blocks + b) * kCols);
-#pragma GCC unroll 16
-      for (int r = 0; r < kRows; ++r)
-        _mm512_store_ps(&acc[r][j * kCols],
-                        _mm512_fmadd_ps(d, _mm512_load_ps(&block[r][j * kCols]),
-                                        _mm512_load_ps(&acc[r][j * kCols])));
-    }
-  };
-  for (int64_t b = 0; b < blocks; ++b) {
-    _tile_zero(0);
-    if (kColTiles > 1) _tile_zero(1);
-    if (kColTiles > 2) _tile_zero(2);
-    _tile_loadd(4, q0 + b * kTile, 64);
-    if (kColTiles > 1) _tile_loadd(5, q0 + level_stride + b * kTile, 64);
-    if (kColTiles > 2) _tile_loadd(6, q0 + 2 * level_stride + b * kTile, 64);
-    const uint16_t* ab = a + b * kXTerms * kTile;
-    x_terms_times_weights<kColTiles>(ab, kXTerms);
-    if (b > 0) scale_in(b - 1, products[(b - 1) % 2]);
-    float (*out)[kWidth] = products[b % 2];
-    _tile_stored(0, &out[0][0], sizeof out[0]);
-    if (kColTiles > 1) _tile_stored(1, &out[0][kCols], sizeof out[0]);
-    if (kColTiles > 2) _tile_stored(2, &out[0][2 * kCols], sizeof out[0]);
-  }
-  scale_in(blocks - 1, products[(blocks - 1) % 2]);
-  for (int64_t r = 0; r < live; ++r)
-    std::memcpy(y + (row0 + r) * n + col0, acc[r], kWidth * 4);
-}
-
 // Q4_1 levels four bits each, in the tiles' VNNI order: byte j of a tile row i holds the levels
 // of column j at k = 2i (low nibble) and 2i + 1 (high), so a tile is 256 bytes, not 1 KB.
 // A tile of levels from its nibbles, as bf16 (16 rows of 32), into `out`: each byte widened to
@@ -302,41 +253,59 @@ inline void expand_levels(const uint8_t* nibbles, uint16_t* out) {
   }
 }
 
-// factored_row_block for a step of at most 16 rows from the 4-bit levels: each block's level tiles
-// are rebuilt in L1 before the tile unit loads them. Streaming a quarter of the bytes, a step
-// this short is paced by its products and readouts instead of by memory.
-template <int kColTiles>
-void factored_short_block(const uint16_t* xs, const uint8_t* nibbles, const float* steps,
-                      const MinTerms& min_terms, int64_t blocks, int64_t rows, int64_t col0,
-                      float* y, int64_t n) {
+// Where a block's level tiles come from: the bf16 tiles in memory, or (steps of at most 16
+// rows, which stream them once) their four-bit form, rebuilt in L1. Streaming a quarter of
+// the bytes, a step that short is paced by its products and readouts instead of by memory.
+struct Bf16Levels {
+  const uint16_t* first;   // the work item's first column tile
+  int64_t stride;          // from one column tile to the next
+  const uint16_t* tile(int j, int64_t b) { return first + j * stride + b * kTile; }
+};
+
+struct FourBitLevels {
+  const uint8_t* first;
+  int64_t stride;
+  alignas(64) uint16_t rebuilt[kColGroup][kTile];
+  const uint16_t* tile(int j, int64_t b) {
+    expand_levels(first + j * stride + b * kNibbleTile, rebuilt[j]);
+    return rebuilt[j];
+  }
+};
+
+// The factored form of row_block: y rows [row0, row0 + 16) x columns [col0, col0 + 16
+// kColTiles) = the m terms + sum over blocks of d (x . q). Per block: x.hi, x.mid and x.lo
+// (tiles 3 and 7 in turn) against the column tiles' levels (4-6) into accumulators 0-2, zeroed
+// a block; they are stored to one of two scratch buffers, and the block before is scaled into
+// `acc` meanwhile.
+template <int kColTiles, typename Levels>
+void factored_row_block(const uint16_t* xs, Levels& levels, const float* steps,
+                        const MinTerms& min_terms, int64_t blocks, int64_t row0, int64_t rows,
+                        int64_t col0, float* y, int64_t n) {
   constexpr int64_t kWidth = kColTiles * kCols;
   alignas(64) float acc[kRows][kWidth];
   alignas(64) float products[2][kRows][kWidth];
-  alignas(64) uint16_t levels[kColTiles][kTile];
-  start_from_min_terms<kColTiles>(min_terms, blocks, 0, rows, col0, n, acc);
-  const int64_t nibble_stride = blocks * kNibbleTile;
-  const uint8_t* q0 = nibbles + (col0 / kCols) * nibble_stride;
+  const int64_t live = std::min(kRows, rows - row0);
+  start_from_min_terms<kColTiles>(min_terms, blocks, row0, live, col0, n, acc);
+  const uint16_t* a = xs + (row0 / kRows) * blocks * kXTerms * kTile;
   const float* d0 = steps + (col0 / kCols) * blocks * kCols;
   auto scale_in = [&](int64_t b, float (*block)[kWidth]) {
 #pragma GCC unroll 3
     for (int j = 0; j < kColTiles; ++j) {
       const __m512 d = _mm512_loadu_ps(d0 + (j * blocks + b) * kCols);
-      for (int64_t r = 0; r < rows; ++r)
+      for (int64_t r = 0; r < live; ++r)
         _mm512_store_ps(&acc[r][j * kCols],
                         _mm512_fmadd_ps(d, _mm512_load_ps(&block[r][j * kCols]),
                                         _mm512_load_ps(&acc[r][j * kCols])));
     }
   };
   for (int64_t b = 0; b < blocks; ++b) {
-    for (int j = 0; j < kColTiles; ++j)
-      expand_levels(q0 + j * nibble_stride + b * kNibbleTile, levels[j]);
     _tile_zero(0);
     if (kColTiles > 1) _tile_zero(1);
     if (kColTiles > 2) _tile_zero(2);
-    _tile_loadd(4, levels[0], 64);
-    if (kColTiles > 1) _tile_loadd(5, levels[1], 64);
-    if (kColTiles > 2) _tile_loadd(6, levels[2], 64);
-    x_terms_times_weights<kColTiles>(xs + b * kXTerms * kTile, kXTerms);
+    _tile_loadd(4, levels.tile(0, b), 64);
+    if (kColTiles > 1) _tile_loadd(5, levels.tile(1, b), 64);
+    if (kColTiles > 2) _tile_loadd(6, levels.tile(2, b), 64);
+    x_terms_times_weights<kColTiles>(a + b * kXTerms * kTile, kXTerms);
     if (b > 0) scale_in(b - 1, products[(b - 1) % 2]);
     float (*out)[kWidth] = products[b % 2];
     _tile_stored(0, &out[0][0], sizeof out[0]);
@@ -344,8 +313,22 @@ void factored_short_block(const uint16_t* xs, const uint8_t* nibbles, const floa
     if (kColTiles > 2) _tile_stored(2, &out[0][2 * kCols], sizeof out[0]);
   }
   scale_in(blocks - 1, products[(blocks - 1) % 2]);
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(y + r * n + col0, acc[r], kWidth * 4);
+  for (int64_t r = 0; r < live; ++r)
+    std::memcpy(y + (row0 + r) * n + col0, acc[r], kWidth * 4);
+}
+
+// One work item's columns [col0, col0 + 16 cols) over rows [row0, row0 + 16), levels from
+// `levels` (Bf16Levels or FourBitLevels, pointed at the item's first column tile).
+template <typename Levels>
+void factored_item(const uint16_t* xs, Levels levels, const float* steps,
+                   const MinTerms& min_terms, int64_t blocks, int64_t row0, int64_t rows,
+                   int64_t col0, int64_t cols, float* y, int64_t n) {
+  if (cols == 3)
+    factored_row_block<3>(xs, levels, steps, min_terms, blocks, row0, rows, col0, y, n);
+  else if (cols == 2)
+    factored_row_block<2>(xs, levels, steps, min_terms, blocks, row0, rows, col0, y, n);
+  else
+    factored_row_block<1>(xs, levels, steps, min_terms, blocks, row0, rows, col0, y, n);
 }
 
 // Every (row tile, up to three column tiles) of y [rows, 16 col_tiles] in work items that keep
@@ -578,24 +561,19 @@ void amx_linear_factored_into(const float* x, int64_t rows, int64_t k, const tor
   auto xs = amx::split_input(x, rows, k);
   const auto* xsp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
   const float* dp = steps.data_ptr<float>();
-  if (levels.scalar_type() == torch::kUInt8)
+  if (levels.scalar_type() == torch::kUInt8) {
+    const uint8_t* np = levels.data_ptr<uint8_t>();
+    const int64_t stride = blocks * amx::kNibbleTile;
     return amx::for_each_short_tile(rows, col_tiles, [&](int64_t col0, int64_t cols) {
-      const uint8_t* np = levels.data_ptr<uint8_t>();
-      if (cols == 3)
-        amx::factored_short_block<3>(xsp, np, dp, min_terms, blocks, rows, col0, y, n);
-      else if (cols == 2)
-        amx::factored_short_block<2>(xsp, np, dp, min_terms, blocks, rows, col0, y, n);
-      else
-        amx::factored_short_block<1>(xsp, np, dp, min_terms, blocks, rows, col0, y, n);
+      amx::factored_item(xsp, amx::FourBitLevels{np + col0 / amx::kCols * stride, stride}, dp,
+                         min_terms, blocks, 0, rows, col0, cols, y, n);
     });
+  }
   const auto* lp = reinterpret_cast<const uint16_t*>(levels.data_ptr());
+  const int64_t stride = blocks * amx::kTile;
   amx::for_each_tile(rows, k, col_tiles, [&](int64_t row0, int64_t col0, int64_t cols) {
-    if (cols == 3)
-      amx::factored_row_block<3>(xsp, lp, dp, min_terms, blocks, row0, rows, col0, y, n);
-    else if (cols == 2)
-      amx::factored_row_block<2>(xsp, lp, dp, min_terms, blocks, row0, rows, col0, y, n);
-    else
-      amx::factored_row_block<1>(xsp, lp, dp, min_terms, blocks, row0, rows, col0, y, n);
+    amx::factored_item(xsp, amx::Bf16Levels{lp + col0 / amx::kCols * stride, stride}, dp,
+                       min_terms, blocks, row0, rows, col0, cols, y, n);
   });
 #else
   TORCH_CHECK(false, "amx_linear_factored: this build has no AMX tiles");

@@ -535,8 +535,8 @@ void check_factored(int64_t rows, int64_t k, const torch::Tensor& levels,
                   steps.sizes() ==
                       torch::IntArrayRef({levels.size(0), levels.size(1), amx::kCols}) &&
                   mins.scalar_type() == torch::kFloat32 &&
-                  (mins.numel() == 0 ||
-                   mins.sizes() == torch::IntArrayRef({levels.size(1), levels.size(0) * amx::kCols})),
+                  (mins.numel() == 0 || mins.sizes() == torch::IntArrayRef(
+                                            {levels.size(1), levels.size(0) * amx::kCols})),
               "amx_linear_factored: weight tiles do not match x");
 }
 

@@ -1,12 +1,13 @@
-"""fp32 linear on the AMX bf16 tile unit for prefill steps and, with GGUF Q4_1 weights,
-decode steps of 12 rows or more; see cpu_amx_kernel.cpp.
+"""fp32 linear on the AMX bf16 tile unit for prefill steps and, with GGUF Q4_1 or Q8_0
+weights, decode steps of 12 rows or more; see cpu_amx_kernel.cpp.
 
 Weights that are exactly GGUF Q4_1 values (d q + m a block of 32 inputs) are kept as their
 levels in bf16 tiles (and in four bits, for steps of up to 16 rows) with each block's d and
-m (the factored form, three tile products a block); other weights that are exactly two bf16
-numbers each (hi + lo: fp16 or bf16 checkpoints) as hi and lo tiles (five). The step's input
-is split into three bf16 numbers a value, and the tile unit sums exact products in fp32: as
-accurate as an fp32 GEMM, in another order. Other weights, and CPUs without AMX, keep oneDNN.
+m (the factored form, three tile products a block), Q8_0 values (d q) as their levels and
+d; other weights that are exactly two bf16 numbers each (hi + lo: fp16 or bf16 checkpoints)
+as hi and lo tiles (five). The step's input is split into three bf16 numbers a value, and
+the tile unit sums exact products in fp32: as accurate as an fp32 GEMM, in another order.
+Other weights, and CPUs without AMX, keep oneDNN.
 """
 
 from __future__ import annotations

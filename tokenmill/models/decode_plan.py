@@ -8,7 +8,7 @@ dispatches a token. The plan keeps each layer's kernel-ready weights and calls t
 kernels, in the same order, on the same tensors, so its output is bitwise that of the module
 path (test_decode_plan_is_bitwise_the_module_path in tests/model/test_fast_paths.py).
 Each linear runs as the module would for the step's size: the small-M kernel's panels, or
-GGUF Q4_1 weights on the AMX tiles from their min_rows (layers/cpu_amx.py). Steps with a
+GGUF Q4_1 (Q8_0) weights on the AMX tiles from their min_rows (layers/cpu_amx.py). Steps with a
 prefill chunk, or more tokens than the small-M kernel takes (or than other AMX tiles, hi + lo,
 take faster), go through the modules, and so does every step when a kernel cannot be built.
 """
@@ -40,7 +40,8 @@ _NONE = torch.empty(0)
 
 
 def _on_tiles(linear: Linear, num_tokens: int) -> bool:
-    """Whether the module takes a step this long on factored Q4_1 tiles (Linear.forward)."""
+    """Whether the module takes a step this long on factored (Q4_1 or Q8_0) tiles
+    (Linear.forward)."""
     tiles = linear.amx_weight
     return tiles is not None and tiles.steps is not None and num_tokens >= tiles.min_rows
 

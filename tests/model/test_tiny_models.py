@@ -74,3 +74,59 @@ def test_unknown_architecture_lists_supported(tmp_path, default_model):
     with pytest.raises(ValueError, match=r"model: architecture 'FancyNetLM' is not supported "
                                          r"\(supported: .*LlamaForCausalLM.*Qwen2ForCausalLM"):
         LLM(model=str(tmp_path), num_kv_blocks=128, block_size=4)
+
+
+def round_to_q8_0(model: torch.nn.Module) -> None:
+    """Every 2-D weight as GGUF Q8_0 values: d * q, q in -127..127, a d (fp16) for each 32
+    inputs of a row, with 127 in every block (so d is the block's largest value over 127)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() != 2 or param.shape[1] % 32:
+                continue
+            blocks = param.view(param.shape[0], -1, 32)
+            step = (blocks.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-4).half().float()
+            levels = (blocks / step).round().clamp(-127, 127)
+            levels[..., :1] = 127
+            blocks.copy_(levels * step)
+
+
+def test_q8_0_weights_on_the_tiles_in_the_decode_loop_match_transformers(tmp_path,
+                                                                         default_model,
+                                                                         monkeypatch):
+    """A model whose linears are Q8_0 values takes them on the AMX tiles in the factored
+    form with no minimums (from 3 rows here, so the batch's decode steps run them in the C++
+    decode loop): greedy tokens equal to transformers', logprobs close, and the decode loop
+    bitwise the modules it flattens."""
+    from tokenmill.layers import cpu_amx
+    from tokenmill.models.decode_plan import DecodePlan
+    if cpu_amx.load_kernel() is None:
+        pytest.skip("no AMX tiles on this CPU (or no C++ compiler)")
+    monkeypatch.setattr(cpu_amx, "AMX_Q8_0_MIN_ROWS", 3)
+    reference = write_tiny_model(tmp_path, "llama", default_model.tokenizer_dir)
+    round_to_q8_0(reference)
+    reference.save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), num_kv_blocks=128, block_size=4, prefix_cache=False)
+    model = llm.engine.core.worker.runner.model.model
+    down = model.layers[0].mlp.down_proj.amx_weight
+    assert down is not None and down.steps is not None and down.mins is None   # Q8_0 tiles
+    assert model.decode_plan.weights(5)[3].dtype == torch.bfloat16   # q|k|v's levels
+    prompts = [list(range(100 + 7 * i, 110 + 7 * i)) for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    runs = []
+    original_run = DecodePlan.run
+    monkeypatch.setattr(DecodePlan, "run",
+                        lambda self, *args: runs.append(args[0].shape[0]) or original_run(self,
+                                                                                          *args))
+    with_plan = llm.generate(prompts, params)
+    assert 5 in runs   # the batched decode steps ran in the loop, on the tiles
+    for prompt, out in zip(prompts, with_plan):
+        tokens, logprobs = hf_greedy(reference, prompt, 16)
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        got_logprobs = [entry[t].logprob for entry, t in zip(got.logprobs, got.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs)) < 1e-3
+    monkeypatch.setattr(model, "decode_plan", None)
+    without = llm.generate(prompts, params)
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in without] == \
+        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in with_plan]
+    assert_kv_clean(llm)

@@ -1,4 +1,5 @@
-"""A kernel on its AVX2 tiles for one comparison, on a CPU that has AVX-512 ones."""
+"""A kernel with one of its fast routes switched off for a comparison: its AVX2 tiles on a
+CPU that has AVX-512 ones, or the small-M kernel's Q4_1 weights rebuilt instead of factored."""
 
 from __future__ import annotations
 
@@ -7,12 +8,17 @@ from typing import Callable, Iterator
 
 
 @contextmanager
-def avx2_tiles(use_avx512: Callable[[bool], bool]) -> Iterator[None]:
-    """`use_avx512(on)` is the kernel's switch (it returns the setting it took); the default,
-    AVX-512 where built, is back after."""
-    default = use_avx512(True)
-    use_avx512(False)
+def switched_off(switch: Callable[[bool], bool]) -> Iterator[None]:
+    """`switch(on)` is the kernel's setting (it returns the setting it took, False where the
+    route was not built); the default is back after."""
+    default = switch(True)
+    switch(False)
     try:
         yield
     finally:
-        use_avx512(default)
+        switch(default)
+
+
+def avx2_tiles(use_avx512: Callable[[bool], bool]):
+    """The kernel on its AVX2 tiles (`use_avx512` is its switch)."""
+    return switched_off(use_avx512)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings, strategies as st
 
 from tests.helpers.gil import longest_stall_beside
-from tests.helpers.isa import avx2_tiles
+from tests.helpers.isa import avx2_tiles, switched_off
 from tokenmill.kernels.huge_pages import HUGE_PAGE, huge_pages_supported
 from tokenmill.layers.cpu_gemv import GEMV_COMPACT_MAX_ROWS, GEMV_MAX_ROWS, load_kernel
 from tokenmill.layers.linear import Linear, onednn_available
@@ -124,15 +124,22 @@ def test_hybrid_linear_keeps_its_panels_on_huge_pages():
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-3)
 
 
-def q4_1_weight(gen: torch.Generator, out_features: int, in_features: int) -> torch.Tensor:
-    """Weights as a Q4_1 GGUF loads them: (d * q) + m in fp32, one fp16 d and m per 32 inputs
-    of a row, q in 0..15 (levels 0 and 15 in every block, as the quantizer makes them)."""
+def q4_1_parts(gen: torch.Generator, out_features: int,
+               in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_1 weight's d, q, m ([out, blocks, 1], [out, blocks, 32], [out, blocks, 1]): one
+    fp16 d and m per 32 inputs of a row, q in 0..15 (levels 0 and 15 in every block, as the
+    quantizer makes them)."""
     blocks = (out_features, in_features // 32, 1)
     d = (torch.rand(blocks, generator=gen) * 0.01 + 1e-4).half().float()
     m = (torch.randn(blocks, generator=gen) * 0.05).half().float()
     q = torch.randint(0, 16, (*blocks[:2], 32), generator=gen).float()
     q[..., 0], q[..., 1] = 0, 15
-    q = q[..., torch.randperm(32, generator=gen)]
+    return d, q[..., torch.randperm(32, generator=gen)], m
+
+
+def q4_1_weight(gen: torch.Generator, out_features: int, in_features: int) -> torch.Tensor:
+    """Weights as a Q4_1 GGUF loads them: (d * q) + m in fp32."""
+    d, q, m = q4_1_parts(gen, out_features, in_features)
     return (d * q + m).reshape(out_features, in_features)
 
 
@@ -160,7 +167,8 @@ FORMATS = {"q4_1": (q4_1_weight, "pack_gemv_q4", torch.uint8),
 def test_compact_panels_give_bitwise_the_fp32_panels_output(fmt, rows, blocks, panels, seed):
     # The packer recovers every block's scales and levels, and the kernel rebuilds the same
     # fp32 weights and sums them in the same order: not close, equal; and a row's result
-    # still does not depend on the rows beside it.
+    # still does not depend on the rows beside it. (Short Q4_1 steps take the factored form
+    # by default where the build has AVX-512: the next test.)
     make, packer, dtype = FORMATS[fmt]
     gen = torch.Generator().manual_seed(seed)
     kernel = load_kernel()
@@ -169,11 +177,47 @@ def test_compact_panels_give_bitwise_the_fp32_panels_output(fmt, rows, blocks, p
     assert compact.dtype == dtype and compact.numel() > 0
     assert compact.numel() < weight.numel() * 4 // 3      # at most 1.125 bytes a weight
     x = torch.randn(rows, blocks * 32, generator=gen)
-    together = kernel.gemv_linear(x, compact)
-    assert torch.equal(together, kernel.gemv_linear(x, kernel.pack_gemv_weight(weight)))
+    with switched_off(kernel.gemv_use_factored):
+        together = kernel.gemv_linear(x, compact)
+        assert torch.equal(together, kernel.gemv_linear(x, kernel.pack_gemv_weight(weight)))
+        for row in range(rows):
+            assert torch.equal(kernel.gemv_linear(x[row:row + 1].contiguous(), compact),
+                               together[row:row + 1]), row
+
+
+FACTORED = load_kernel() is not None and load_kernel().gemv_use_factored(True)
+
+
+@pytest.mark.skipif(not FACTORED, reason="the kernel was built without AVX-512 here")
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 13), blocks=st.integers(1, 48), panels=st.integers(1, 9),
+       seed=st.integers(0, 2**16))
+@example(rows=1, blocks=48, panels=9, seed=0)    # four panels side by side, then one
+@example(rows=12, blocks=3, panels=2, seed=1)    # the largest factored step
+def test_factored_q4_1_is_within_the_rounding_bound_and_batch_invariant(rows, blocks, panels,
+                                                                        seed):
+    # Up to 12 rows, y = sum over blocks of d (q . x) + m sum(x). Each output must be within
+    # the rounding bound of a dot product of that length (k + 2 blocks + 2 roundings of the
+    # terms' magnitudes) of the exact result, whatever the weights' offsets m: a lost or
+    # misplaced m term, scale or block is far outside it. A row's result must not depend on
+    # the rows beside it; 13 rows hand over to the rebuilt weights (bitwise the fp32 panels).
+    gen = torch.Generator().manual_seed(seed)
+    kernel = load_kernel()
+    d, q, m = q4_1_parts(gen, panels * 16, blocks * 32)
+    weight = (d * q + m).reshape(panels * 16, blocks * 32)
+    compact = kernel.pack_gemv_q4(weight)
+    x = torch.randn(rows, blocks * 32, generator=gen)
+    got = kernel.gemv_linear(x, compact)
+    if rows > 12:
+        assert torch.equal(got, kernel.gemv_linear(x, kernel.pack_gemv_weight(weight)))
+        return
+    exact = x.double() @ weight.double().T
+    magnitude = x.double().abs() @ ((d * q).abs() + m.abs()).reshape_as(weight).double().T
+    bound = (blocks * 32 + 2 * blocks + 2) * 2.0 ** -24 * magnitude
+    assert ((got.double() - exact).abs() <= bound).all()
     for row in range(rows):
         assert torch.equal(kernel.gemv_linear(x[row:row + 1].contiguous(), compact),
-                           together[row:row + 1]), row
+                           got[row:row + 1]), row
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a race needs two threads")
@@ -227,8 +271,9 @@ def test_hybrid_linear_takes_compact_panels_for_short_steps_only():
     assert layers[True].small_step_panels(limit + 1) is layers[True].gemv_weight
     for rows in (1, 3, limit, limit + 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5):
         x = torch.randn(rows, 128, generator=gen)
-        assert torch.equal(layers[True](x), layers[False](x)), rows
         torch.testing.assert_close(layers[True](x), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+        with switched_off(load_kernel().gemv_use_factored):   # rebuilt weights: the same bits
+            assert torch.equal(layers[True](x), layers[False](x)), rows
 
 
 AVX512_TILES = load_kernel() is not None and load_kernel().gemv_use_avx512(True)
@@ -258,6 +303,7 @@ def test_avx512_tiles_give_bitwise_the_avx2_tiles_output(rows, blocks, tail, pan
         in_features = blocks * 32
         packed = getattr(kernel, packer)(make(gen, panels * 16, in_features))
     x = torch.randn(rows, in_features, generator=gen)
-    got = kernel.gemv_linear(x, packed)
-    with avx2_tiles(kernel.gemv_use_avx512):
-        assert torch.equal(got, kernel.gemv_linear(x, packed))
+    with switched_off(kernel.gemv_use_factored):   # the AVX-512 route's own form
+        got = kernel.gemv_linear(x, packed)
+        with avx2_tiles(kernel.gemv_use_avx512):
+            assert torch.equal(got, kernel.gemv_linear(x, packed))

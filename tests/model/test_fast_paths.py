@@ -5,10 +5,13 @@ prefix-cache hits. HF parity of the default (fast) path is in test_hf_parity.py.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
 from tests.helpers.gil import longest_stall_beside
+from tests.helpers.isa import switched_off
 from tests.helpers.oracle import assert_kv_clean
 from tokenmill.attention.cpu_paged import load_kernel
 from tokenmill.layers import cpu_amx
@@ -140,10 +143,11 @@ def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch, variant):
     assert_kv_clean(llm)
 
 
-def test_compact_panels_leave_tokens_and_logprobs_bitwise_unchanged(make_llm):
-    """The default model's weights are Q4_1/Q8_0 values: steps of up to 10-12 tokens stream
-    them as compact panels. Batches of 1 to 12 requests (both sides of the switch) give the
-    same tokens and logprobs, to the bit, as with fp32 panels only."""
+def test_compact_panels_leave_tokens_unchanged_and_rebuilt_ones_every_bit(make_llm):
+    """The default model's weights are Q4_1/Q8_0 values: steps of up to 12 tokens stream them
+    as compact panels. Batches of 1 to 12 requests (both sides of the switch) give the same
+    tokens as with fp32 panels only and logprobs within rounding; with the Q4_1 weights
+    rebuilt (not factored, where AVX-512 would factor them), the same logprobs to the bit."""
     params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=2)
               for i in range(12)]
     prompts = (PROMPTS * 2)[:12]
@@ -154,11 +158,21 @@ def test_compact_panels_leave_tokens_and_logprobs_bitwise_unchanged(make_llm):
         expected = compact and load_gemv_kernel() is not None
         assert (model.lm_head.gemv_compact is not None) == expected               # Q8_0
         assert (model.model.layers[0].mlp.down_proj.gemv_compact is not None) == expected
-        runs[compact] = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
-                         for o in [llm.generate(prompts[:1], params[0])[0],
-                                   *llm.generate(prompts, params)]]
+        modes = ("factored", "rebuilt") if compact else ("fp32",)
+        for mode in modes:
+            with switched_off(load_gemv_kernel().gemv_use_factored) if mode == "rebuilt" \
+                    else nullcontext():
+                runs[mode] = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                              for o in [llm.generate(prompts[:1], params[0])[0],
+                                        *llm.generate(prompts, params)]]
         assert_kv_clean(llm)
-    assert runs[True] == runs[False]
+    assert runs["rebuilt"] == runs["fp32"]
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(runs["factored"], runs["fp32"]):
+        assert tokens == want_tokens
+        for step, want_step in zip(logprobs, want_logprobs):
+            assert step.keys() == want_step.keys()
+            for token, entry in step.items():
+                assert abs(entry.logprob - want_step[token].logprob) < 1e-3
 
 
 def test_decode_loop_rejects_bad_steps_before_touching_the_cache(llm):

@@ -15,7 +15,9 @@
 //
 // Compact panels (layers/gemv_blocks.h): weights that are exactly GGUF Q4_1 or Q8_0 values
 // also stream in their blocks, a fifth or a quarter of the bytes, and are rebuilt in
-// registers as the same fp32 numbers; the output is bitwise that of the fp32 panels.
+// registers as the same fp32 numbers; the output is bitwise that of the fp32 panels. Where
+// the build has AVX-512, steps of up to 12 rows take Q4_1 panels in the factored form
+// instead (gemv_avx512.h): fewer operations a weight, as accurate, not bitwise.
 #include <algorithm>
 #include <atomic>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -315,12 +317,25 @@ bool gemv_use_avx512(bool on) {
   return use_avx512;
 }
 
+// Whether the AVX-512 route takes Q4_1 panels in the factored form for up to kMaxRows rows
+// (gemv_avx512.h) rather than rebuilding the fp32 weights; tests switch it off to compare.
+static std::atomic<bool> use_factored{gemv_avx512::kAvailable};
+
+bool gemv_use_factored(bool on) {
+  use_factored = on && gemv_avx512::kAvailable;
+  return use_factored;
+}
+
 static void avx512_linear(int64_t m, const float* x, int64_t k_len, const torch::Tensor& packed,
                           float* y, int64_t n) {
 #if defined(__AVX512F__)
   const int64_t panels = packed.size(0);
   switch (packed.scalar_type()) {
     case torch::kUInt8:
+      if (use_factored && m <= gemv_avx512::kMaxRows)
+        return gemv_avx512::factored_linear(m, x, k_len,
+                                            static_cast<const uint8_t*>(packed.data_ptr()),
+                                            panels, y, n);
       return gemv_avx512::block_linear<gemv_blocks::Q4_1>(
           m, x, k_len, static_cast<const uint8_t*>(packed.data_ptr()), panels, y, n);
     case torch::kInt8:

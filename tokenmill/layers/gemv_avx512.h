@@ -3,13 +3,15 @@
 // against 2 panels (24 accumulators) where the AVX2 tiles hold 6 rows against one, and each
 // FMA does twice the work. Every output still sums its k steps in order, one FMA each, over
 // the same (rebuilt) weights: the result is bitwise that of the AVX2 tiles, whatever the rows
-// beside it.
+// beside it. The exception, by default: Q4_1 panels in steps of up to 12 rows, in the
+// factored form (factored_linear, at the end).
 //
 // The plan is the AVX2 one: up to one row group (12 rows), one pass over the panels, several
 // side by side; more rows go in equal groups over K blocks, the panels' slice staying in L1
 // while every group passes over it. Threads take the panels in chunks (kernels/work_sharing.h).
 
 #include <algorithm>
+#include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -270,6 +272,95 @@ void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, i
     side_by_side(m, end - begin, [&]<int R, int P>(int64_t p) {
       const int64_t panel = begin + p;
       block_tile<F, R, P>(x, k_len, wp + panel * stride, stride, k_len, y + panel * kPanel, n);
+    });
+  });
+}
+
+// ---- Q4_1 in the factored form, for one row group ----
+// A Q4_1 weight is w = d q + m per block of 32 inputs, so a row's product over a block is
+// d (q . x) + m sum(x): the levels convert to floats and meet x directly, and each block's
+// two scales come in once per row and panel (two FMAs a block), where block_tile rebuilds
+// every weight (a multiply and an add a step and panel). Not bitwise the fp32 panels' output
+// (the roundings differ, as in the AMX tiles' factored form, layers/cpu_amx_kernel.cpp), and
+// closer to the exact products (SmolLM2's linears against float64: largest error 5e-7 of the
+// output's range, 1.5e-6 rebuilt; one rounding less a weight). SmolLM2's
+// 120 layer linears streamed from memory, medians of 25 alternating (2-core Xeon): M = 1:
+// 4.13 -> 3.17 ms; M = 2: 5.20 -> 4.02; M = 4: 5.62 -> 4.83; M = 6: 8.13 -> 7.25; M = 7-12
+// about even (the rows' FMAs bound both). Prefetching blocks ahead measured no faster.
+
+// Panels side by side for R rows: 2 R P accumulators (the block's products, and the scaled
+// sum), P levels and a broadcast in 32 registers. (From 7 rows, one panel a tile: as fast as
+// rebuilding the weights, since the FMAs of the rows bound both.)
+constexpr int factored_side_panels(int64_t rows) {
+  return rows <= 3 ? 4 : rows == 4 ? 3 : rows <= 6 ? 2 : 1;
+}
+
+// y[R, 16 P] = x[R, k_len] @ P compact Q4_1 panels (`panel_stride` bytes apart), factored;
+// sums[r * blocks + b]: row r's sum of x over block b. A block's products gather in their own
+// accumulators, scaled once at its end.
+template <int R, int P>
+void factored_tile(const float* x, int64_t ldx, const float* sums, int64_t blocks,
+                   const uint8_t* panel, int64_t panel_stride, float* y, int64_t ldy) {
+  using F = gemv_blocks::Q4_1;
+  __m512 acc[R][P];
+  start_tile<R, P>(acc, y, ldy, false);
+  alignas(64) uint8_t levels[P][F::kLevelBytes];
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = panel + b * F::kBlockBytes;
+    const float* xb = x + b * gemv_blocks::kSteps;
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) F::unpack_levels(block + p * panel_stride, levels[p]);
+    __m512 part[R][P];
+    start_tile<R, P>(part, y, ldy, false);
+    for (int64_t kk = 0; kk < gemv_blocks::kSteps; ++kk) {
+      __m512 w[P];
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p)
+        w[p] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(
+            reinterpret_cast<const __m128i*>(levels[p] + kk * gemv_blocks::kCols))));
+      fma_rows<R, P>(part, xb + kk, ldx, w);
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      const float* scale = reinterpret_cast<const float*>(block + p * panel_stride);
+      const __m512 d = _mm512_loadu_ps(scale), mn = _mm512_loadu_ps(scale + gemv_blocks::kCols);
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r)
+        acc[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * blocks + b]), mn,
+                                    _mm512_fmadd_ps(part[r][p], d, acc[r][p]));
+    }
+  }
+  store_tile<R, P>(acc, y, ldy);
+}
+
+// y[m, 16 panels] = x[m, k_len] @ compact Q4_1 panels, m <= kMaxRows, factored. A row's
+// result does not depend on m (the same sums and FMAs in the same order) nor on the thread.
+inline void factored_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp,
+                            int64_t panels, float* y, int64_t n) {
+  const int64_t blocks = k_len / gemv_blocks::kSteps;
+  // Kept between calls (no allocation once large enough); the caller's, so the threads below
+  // read it through a pointer (by name, each would see its own).
+  thread_local std::vector<float> kept;
+  kept.resize(m * blocks);
+  float* sums = kept.data();
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * k_len + b * gemv_blocks::kSteps;
+      sums[r * blocks + b] = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)));
+    }
+  const int64_t stride = blocks * gemv_blocks::Q4_1::kBlockBytes;
+  const int64_t chunk = tokenmill_parallel::chunk_for(panels, factored_side_panels(m));
+  tokenmill_parallel::parallel_chunks(panels, chunk, [&](int64_t begin, int64_t end) {
+    with_rows_in<1, kMaxRows>(m, [&]<int R>() {
+      constexpr int kSide = factored_side_panels(R);
+      const auto at = [&]<int P>(int64_t panel) {
+        factored_tile<R, P>(x, k_len, sums, blocks, wp + panel * stride, stride,
+                            y + panel * kPanel, n);
+      };
+      int64_t p = begin;
+      for (; p + kSide <= end; p += kSide) at.template operator()<kSide>(p);
+      for (; p < end; ++p) at.template operator()<1>(p);
     });
   });
 }

@@ -16,7 +16,7 @@
 // Compact panels (layers/gemv_blocks.h): weights that are exactly GGUF Q4_1 or Q8_0 values
 // also stream in their blocks, a fifth or a quarter of the bytes, and are rebuilt in
 // registers as the same fp32 numbers; the output is bitwise that of the fp32 panels. Where
-// the build has AVX-512, steps of up to 12 rows take Q4_1 panels in the factored form
+// the build has AVX-512, steps of up to 6 rows take Q4_1 panels in the factored form
 // instead (gemv_avx512.h): fewer operations a weight, as accurate, not bitwise.
 #include <algorithm>
 #include <atomic>
@@ -317,7 +317,7 @@ bool gemv_use_avx512(bool on) {
   return use_avx512;
 }
 
-// Whether the AVX-512 route takes Q4_1 panels in the factored form for up to kMaxRows rows
+// Whether the AVX-512 route takes Q4_1 panels in the factored form for up to 6 rows
 // (gemv_avx512.h) rather than rebuilding the fp32 weights; tests switch it off to compare.
 static std::atomic<bool> use_factored{gemv_avx512::kAvailable};
 
@@ -332,7 +332,7 @@ static void avx512_linear(int64_t m, const float* x, int64_t k_len, const torch:
   const int64_t panels = packed.size(0);
   switch (packed.scalar_type()) {
     case torch::kUInt8:
-      if (use_factored && m <= gemv_avx512::kMaxRows)
+      if (use_factored && m <= gemv_avx512::kFactoredMaxRows)
         return gemv_avx512::factored_linear(m, x, k_len,
                                             static_cast<const uint8_t*>(packed.data_ptr()),
                                             panels, y, n);

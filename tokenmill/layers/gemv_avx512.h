@@ -3,7 +3,7 @@
 // against 2 panels (24 accumulators) where the AVX2 tiles hold 6 rows against one, and each
 // FMA does twice the work. Every output still sums its k steps in order, one FMA each, over
 // the same (rebuilt) weights: the result is bitwise that of the AVX2 tiles, whatever the rows
-// beside it. The exception, by default: Q4_1 panels in steps of up to 12 rows, in the
+// beside it. The exception, by default: Q4_1 panels in steps of up to 6 rows, in the
 // factored form (factored_linear, at the end).
 //
 // The plan is the AVX2 one: up to one row group (12 rows), one pass over the panels, several
@@ -285,15 +285,20 @@ void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, i
 // closer to the exact products (SmolLM2's linears against float64: largest error 5e-7 of the
 // output's range, 1.5e-6 rebuilt; one rounding less a weight). SmolLM2's
 // 120 layer linears streamed from memory, medians of 25 alternating (2-core Xeon): M = 1:
-// 4.13 -> 3.17 ms; M = 2: 5.20 -> 4.02; M = 4: 5.62 -> 4.83; M = 6: 8.13 -> 7.25; M = 7-12
-// about even (the rows' FMAs bound both). Prefetching blocks ahead measured no faster.
+// 4.13 -> 3.17 ms; M = 2: 5.20 -> 4.02; M = 4: 5.62 -> 4.83; M = 6: 8.13 -> 7.25. Whole
+// decode steps offline (`LLM.generate`, alternating, medians): 1 row 10.11 -> 8.93 ms, 6 rows
+// 19.27 -> 18.24. Prefetching blocks ahead measured no faster.
+
+// The longest step taken in the factored form. From 7 rows the rows' FMAs bound the step and
+// the tiles that fit (one panel a tile, 2 R accumulators) measured even with block_tile's
+// three panels at 7-12 rows in isolation and 5% slower in 8-row decode steps, so those steps
+// keep rebuilding the weights. (A row's result then depends on whether its step has more than
+// 6 rows, by rounding, as it already does at the AMX tiles' threshold.)
+constexpr int64_t kFactoredMaxRows = 6;
 
 // Panels side by side for R rows: 2 R P accumulators (the block's products, and the scaled
-// sum), P levels and a broadcast in 32 registers. (From 7 rows, one panel a tile: as fast as
-// rebuilding the weights, since the FMAs of the rows bound both.)
-constexpr int factored_side_panels(int64_t rows) {
-  return rows <= 3 ? 4 : rows == 4 ? 3 : rows <= 6 ? 2 : 1;
-}
+// sum), P levels and a broadcast in 32 registers.
+constexpr int factored_side_panels(int64_t rows) { return rows <= 3 ? 4 : rows == 4 ? 3 : 2; }
 
 // y[R, 16 P] = x[R, k_len] @ P compact Q4_1 panels (`panel_stride` bytes apart), factored;
 // sums[r * blocks + b]: row r's sum of x over block b. A block's products gather in their own
@@ -333,7 +338,7 @@ void factored_tile(const float* x, int64_t ldx, const float* sums, int64_t block
   store_tile<R, P>(acc, y, ldy);
 }
 
-// y[m, 16 panels] = x[m, k_len] @ compact Q4_1 panels, m <= kMaxRows, factored. A row's
+// y[m, 16 panels] = x[m, k_len] @ compact Q4_1 panels, m <= kFactoredMaxRows, factored. A row's
 // result does not depend on m (the same sums and FMAs in the same order) nor on the thread.
 inline void factored_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp,
                             int64_t panels, float* y, int64_t n) {
@@ -352,7 +357,7 @@ inline void factored_linear(int64_t m, const float* x, int64_t k_len, const uint
   const int64_t stride = blocks * gemv_blocks::Q4_1::kBlockBytes;
   const int64_t chunk = tokenmill_parallel::chunk_for(panels, factored_side_panels(m));
   tokenmill_parallel::parallel_chunks(panels, chunk, [&](int64_t begin, int64_t end) {
-    with_rows_in<1, kMaxRows>(m, [&]<int R>() {
+    with_rows_in<1, kFactoredMaxRows>(m, [&]<int R>() {
       constexpr int kSide = factored_side_panels(R);
       const auto at = [&]<int P>(int64_t panel) {
         factored_tile<R, P>(x, k_len, sums, blocks, wp + panel * stride, stride,

@@ -283,11 +283,11 @@ void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, i
 // every weight (a multiply and an add a step and panel). Not bitwise the fp32 panels' output
 // (the roundings differ, as in the AMX tiles' factored form, layers/cpu_amx_kernel.cpp), and
 // closer to the exact products (SmolLM2's linears against float64: largest error 5e-7 of the
-// output's range, 1.5e-6 rebuilt; one rounding less a weight). SmolLM2's
-// 120 layer linears streamed from memory, medians of 25 alternating (2-core Xeon): M = 1:
-// 4.13 -> 3.17 ms; M = 2: 5.20 -> 4.02; M = 4: 5.62 -> 4.83; M = 6: 8.13 -> 7.25. Whole
-// decode steps offline (`LLM.generate`, alternating, medians): 1 row 10.11 -> 8.93 ms, 6 rows
-// 19.27 -> 18.24. Prefetching blocks ahead measured no faster.
+// output's range, 1.5e-6 rebuilt; one rounding less a weight). SmolLM2's 120 layer linears
+// streamed from memory, medians of 25 alternating (2-core Xeon): M = 1: 4.13 -> 3.17 ms;
+// M = 2: 5.20 -> 4.02; M = 4: 5.62 -> 4.83; M = 6: 8.13 -> 7.25. Whole decode steps offline
+// (`LLM.generate`, alternating, medians): 1 row 10.11 -> 8.93 ms, 6 rows 19.27 -> 18.24.
+// Prefetching blocks ahead measured no faster.
 
 // The longest step taken in the factored form. From 7 rows the rows' FMAs bound the step and
 // the tiles that fit (one panel a tile, 2 R accumulators) measured even with block_tile's
@@ -316,7 +316,7 @@ void factored_tile(const float* x, int64_t ldx, const float* sums, int64_t block
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) F::unpack_levels(block + p * panel_stride, levels[p]);
     __m512 part[R][P];
-    start_tile<R, P>(part, y, ldy, false);
+    start_tile<R, P>(part, y, ldy, false);   // zeros (y is not read)
     for (int64_t kk = 0; kk < gemv_blocks::kSteps; ++kk) {
       __m512 w[P];
 #pragma GCC unroll 4

@@ -100,25 +100,10 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t panel_stride,
   store_tile<R, P>(acc, y, ldy);
 }
 
-// A compact block's weights a k step at a time. Formats with a level unpack (Q4_1's nibbles)
-// split a whole block's levels into bytes first, several steps per instruction; the others
-// rebuild each step straight from the block.
-template <typename F>
-struct BlockLevels {
-  static constexpr bool kUnpacked = requires { F::kLevelBytes; };
-  // scratch for the unpacked levels (a byte, unused, for formats without an unpack)
-  static constexpr int64_t kBytes = [] {
-    if constexpr (kUnpacked) return F::kLevelBytes; else return int64_t{1};
-  }();
-
-  static inline void unpack(const uint8_t* block, uint8_t* levels) {
-    if constexpr (kUnpacked) F::unpack_levels(block, levels);
-  }
-  static inline __m512 rebuild(const uint8_t* block, const uint8_t* levels, int64_t kk) {
-    if constexpr (kUnpacked) return F::from_levels(block, levels, kk);
-    else return F::expand16(block, kk);
-  }
-};
+// k steps unrolled at a time over a compact block: a Q4_1 group (its levels' shifts are then
+// constants).
+constexpr int64_t kUnrollSteps = 8;
+static_assert(gemv_blocks::Q4_1::kGroupSteps == kUnrollSteps);
 
 // The same over P compact panels of format F (`panel_stride` bytes apart), k_len a multiple
 // of 32: each k step's weights rebuilt once, then the same FMAs in the same order.
@@ -126,19 +111,17 @@ template <typename F, int R, int P>
 void block_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t panel_stride,
                 int64_t k_len, float* y, int64_t ldy) {
   __m512 acc[R][P];
-  alignas(64) uint8_t levels[P][BlockLevels<F>::kBytes];
   start_tile<R, P>(acc, y, ldy, false);
   for (int64_t k0 = 0; k0 < k_len; k0 += gemv_blocks::kSteps) {
     const uint8_t* block = panel + (k0 / gemv_blocks::kSteps) * F::kBlockBytes;
+    for (int64_t g = 0; g < gemv_blocks::kSteps; g += kUnrollSteps)
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < kUnrollSteps; ++i) {
+        __m512 w[P];
 #pragma GCC unroll 4
-    for (int p = 0; p < P; ++p) BlockLevels<F>::unpack(block + p * panel_stride, levels[p]);
-    for (int64_t kk = 0; kk < gemv_blocks::kSteps; ++kk) {
-      __m512 w[P];
-#pragma GCC unroll 4
-      for (int p = 0; p < P; ++p)
-        w[p] = BlockLevels<F>::rebuild(block + p * panel_stride, levels[p], kk);
-      fma_rows<R, P>(acc, x + k0 + kk, ldx, w);
-    }
+        for (int p = 0; p < P; ++p) w[p] = F::expand16(block + p * panel_stride, g + i);
+        fma_rows<R, P>(acc, x + k0 + g + i, ldx, w);
+      }
   }
   store_tile<R, P>(acc, y, ldy);
 }
@@ -220,16 +203,15 @@ static_assert(kStageK % gemv_blocks::kSteps == 0);
 template <typename F>
 inline void stage_panels(const uint8_t* panel, int64_t panel_stride, int64_t count, int64_t k0,
                          int64_t k_step, float* staged) {
-  alignas(64) uint8_t levels[BlockLevels<F>::kBytes];
   for (int64_t p = 0; p < count; ++p)
     for (int64_t k = 0; k < k_step; k += gemv_blocks::kSteps) {
       const uint8_t* block = panel + p * panel_stride + (k0 + k) / gemv_blocks::kSteps *
                                                             F::kBlockBytes;
       float* out = staged + (p * kStageK + k) * kPanel;
-      BlockLevels<F>::unpack(block, levels);
-#pragma GCC unroll 4
-      for (int64_t kk = 0; kk < gemv_blocks::kSteps; ++kk)
-        _mm512_store_ps(out + kk * kPanel, BlockLevels<F>::rebuild(block, levels, kk));
+      for (int64_t g = 0; g < gemv_blocks::kSteps; g += kUnrollSteps)
+#pragma GCC unroll 8
+        for (int64_t i = 0; i < kUnrollSteps; ++i)
+          _mm512_store_ps(out + (g + i) * kPanel, F::expand16(block, g + i));
     }
 }
 
@@ -287,7 +269,13 @@ void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, i
 // streamed from memory, medians of 25 alternating (2-core Xeon): M = 1: 4.13 -> 3.17 ms;
 // M = 2: 5.20 -> 4.02; M = 4: 5.62 -> 4.83; M = 6: 8.13 -> 7.25. Whole decode steps offline
 // (`LLM.generate`, alternating, medians): 1 row 10.11 -> 8.93 ms, 6 rows 19.27 -> 18.24.
-// Prefetching blocks ahead measured no faster.
+// Prefetching blocks ahead measured no faster. A step's levels are a shift of their group and
+// a table lookup (gemv_blocks.h), two instructions where unpacking bytes and converting them
+// took three and a store and reload: the same 120 linears with their weights in L2 (four
+// linears thirty times), medians of 25 alternating, M = 1: 2.56 -> 2.17 ms; M = 2: 3.16 ->
+// 2.73; M = 4: 4.51 -> 3.85; M = 6: 5.76 -> 5.51 (rebuilt at M = 8: 7.86 -> 7.64), the same
+// outputs bit for bit. Streamed from memory they measured even in a busy hour (M = 1: 4.70
+// against 4.71 ms): the stream bounds them there, as it now does the kernel in a quiet one.
 
 // The longest step taken in the factored form. From 7 rows the rows' FMAs bound the step and
 // the tiles that fit (one panel a tile, 2 R accumulators) measured even with block_tile's
@@ -309,22 +297,19 @@ void factored_tile(const float* x, int64_t ldx, const float* sums, int64_t block
   using F = gemv_blocks::Q4_1;
   __m512 acc[R][P];
   start_tile<R, P>(acc, y, ldy, false);
-  alignas(64) uint8_t levels[P][F::kLevelBytes];
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = panel + b * F::kBlockBytes;
     const float* xb = x + b * gemv_blocks::kSteps;
-#pragma GCC unroll 4
-    for (int p = 0; p < P; ++p) F::unpack_levels(block + p * panel_stride, levels[p]);
     __m512 part[R][P];
     start_tile<R, P>(part, y, ldy, false);   // zeros (y is not read)
-    for (int64_t kk = 0; kk < gemv_blocks::kSteps; ++kk) {
-      __m512 w[P];
+    for (int64_t g = 0; g < gemv_blocks::kSteps; g += kUnrollSteps)
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < kUnrollSteps; ++i) {
+        __m512 w[P];
 #pragma GCC unroll 4
-      for (int p = 0; p < P; ++p)
-        w[p] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(
-            reinterpret_cast<const __m128i*>(levels[p] + kk * gemv_blocks::kCols))));
-      fma_rows<R, P>(part, xb + kk, ldx, w);
-    }
+        for (int p = 0; p < P; ++p) w[p] = F::levels16(block + p * panel_stride, g + i);
+        fma_rows<R, P>(part, xb + g + i, ldx, w);
+      }
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
       const float* scale = reinterpret_cast<const float*>(block + p * panel_stride);

@@ -37,10 +37,23 @@ inline float candidate(float base, int index) {
 }
 constexpr int kCandidates = 17;
 
-// w = (d * q) + m, q in 0..15. Block: d[16], m[16] (fp32), then per k step 8 bytes whose low
-// nibbles are columns 0-7 and high nibbles columns 8-15.
+// w = (d * q) + m, q in 0..15. Block: d[16], m[16] (fp32), then the levels, by the build:
+// - with AVX-512, in groups of eight k steps, one 32-bit word per column: word c of group j
+//   holds column c's levels of steps 8j .. 8j + 7, four bits each from the lowest. A step's
+//   16 levels are then one shift of a group away, in the low four bits of 16 words, which
+//   the AVX-512 tiles look up in a table of 0..15 (vpermps reads no other bits);
+// - otherwise per k step 8 bytes whose low nibbles are columns 0-7 and high nibbles columns
+//   8-15: one byte-to-word widening serves both halves, where the words took AVX2 a shift
+//   more per half (20% slower at one row).
 struct Q4_1 {
   static constexpr int64_t kScaleBytes = 2 * kCols * 4;
+#if defined(__AVX512F__)
+  static constexpr bool kColumnWords = true;
+#else
+  static constexpr bool kColumnWords = false;
+#endif
+  static constexpr int64_t kGroupSteps = 8;
+  static constexpr int64_t kGroupBytes = kCols * 4;
   static constexpr int64_t kBlockBytes = kScaleBytes + kSteps * kCols / 2;   // 384
   static constexpr auto kDtype = torch::kUInt8;
   static constexpr bool kHalfTiles = false;   // see the kernel's block_half_tile
@@ -71,21 +84,41 @@ struct Q4_1 {
   static void store(uint8_t* block, int64_t col, const float* scales, const int* q) {
     reinterpret_cast<float*>(block)[col] = scales[0];
     reinterpret_cast<float*>(block)[kCols + col] = scales[1];
-    for (int64_t i = 0; i < kSteps; ++i)
-      block[kScaleBytes + i * kCols / 2 + col % 8] |=
-          static_cast<uint8_t>(q[i] << (col < 8 ? 0 : 4));
+    for (int64_t i = 0; i < kSteps; ++i) {
+      if (!kColumnWords) {
+        block[kScaleBytes + i * kCols / 2 + col % 8] |=
+            static_cast<uint8_t>(q[i] << (col < 8 ? 0 : 4));
+        continue;
+      }
+      const int64_t step = i % kGroupSteps;   // little-endian: the word's byte step / 2
+      block[kScaleBytes + i / kGroupSteps * kGroupBytes + col * 4 + step / 2] |=
+          static_cast<uint8_t>(q[i] << (step % 2 * 4));
+    }
+  }
+
+  static inline const uint8_t* group(const uint8_t* block, int64_t kk) {
+    return block + kScaleBytes + kk / kGroupSteps * kGroupBytes;
   }
 
 #if defined(__AVX2__) && defined(__FMA__)
   // The 16 weights of step kk (columns 0-7 in lo, 8-15 in hi).
   static inline void expand(const uint8_t* block, int64_t kk, __m256& lo, __m256& hi) {
     const float* scale = reinterpret_cast<const float*>(block);
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-        reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols / 2)));
-    __m256 p_lo = _mm256_mul_ps(
-        _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15))), _mm256_loadu_ps(scale));
-    __m256 p_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)),
-                                _mm256_loadu_ps(scale + 8));
+    const __m256i low = _mm256_set1_epi32(15);
+    __m256i lo_levels, hi_levels;
+    if constexpr (kColumnWords) {   // AVX2 tiles in an AVX-512 build: tests only
+      const __m256i* words = reinterpret_cast<const __m256i*>(group(block, kk));
+      const int shift = static_cast<int>(kk % kGroupSteps * 4);
+      lo_levels = _mm256_and_si256(_mm256_srli_epi32(_mm256_loadu_si256(words), shift), low);
+      hi_levels = _mm256_and_si256(_mm256_srli_epi32(_mm256_loadu_si256(words + 1), shift), low);
+    } else {
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols / 2)));
+      lo_levels = _mm256_and_si256(bytes, low);
+      hi_levels = _mm256_srli_epi32(bytes, 4);
+    }
+    __m256 p_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo_levels), _mm256_loadu_ps(scale));
+    __m256 p_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(hi_levels), _mm256_loadu_ps(scale + 8));
     __asm__("" : "+x"(p_lo), "+x"(p_hi));   // keep both roundings
     lo = _mm256_add_ps(p_lo, _mm256_loadu_ps(scale + kCols));
     hi = _mm256_add_ps(p_hi, _mm256_loadu_ps(scale + kCols + 8));
@@ -93,45 +126,21 @@ struct Q4_1 {
 #endif
 
 #if defined(__AVX512F__)
-  // The 16 weights of a step from its 16 levels (one byte each, column order), by expand()'s
-  // operations: d * q, rounded, then + m, rounded.
-  static inline __m512 rebuild16(const uint8_t* block, __m128i levels) {
+  // Step kk's 16 levels as floats: the shifted group's low four bits looked up in 0..15.
+  static inline __m512 levels16(const uint8_t* block, int64_t kk) {
+    const __m512i words = _mm512_srli_epi32(
+        _mm512_loadu_si512(group(block, kk)), static_cast<unsigned>(kk % kGroupSteps * 4));
+    return _mm512_permutexvar_ps(words, _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f,
+                                                       9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f));
+  }
+
+  // expand()'s 16 weights in one register, by the same operations: d * q, rounded, then + m,
+  // rounded.
+  static inline __m512 expand16(const uint8_t* block, int64_t kk) {
     const float* scale = reinterpret_cast<const float*>(block);
-    __m512 product = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(levels)),
-                                   _mm512_loadu_ps(scale));
+    __m512 product = _mm512_mul_ps(levels16(block, kk), _mm512_loadu_ps(scale));
     __asm__("" : "+v"(product));   // keep both roundings
     return _mm512_add_ps(product, _mm512_loadu_ps(scale + kCols));
-  }
-
-  // expand()'s 16 weights in one register, by the same operations.
-  static inline __m512 expand16(const uint8_t* block, int64_t kk) {
-    const __m128i bytes =
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols / 2));
-    return rebuild16(block, _mm_and_si128(_mm_unpacklo_epi64(bytes, _mm_srli_epi16(bytes, 4)),
-                                          _mm_set1_epi8(15)));
-  }
-
-  // A block's levels, one byte each, 16 per k step in column order (kLevelBytes): split from
-  // the nibbles eight steps per register, where expand16 spends three of its seven vector
-  // operations a step on it. from_levels then rebuilds a step by expand16's roundings.
-  static constexpr int64_t kLevelBytes = kSteps * kCols;
-  static inline void unpack_levels(const uint8_t* block, uint8_t* levels) {
-    const __m512i low = _mm512_set1_epi8(15);
-    // qwords of steps 2j, 2j+1 from (low nibbles, high nibbles): [lo0 hi0 lo1 hi1 ...]
-    const __m512i first = _mm512_set_epi64(11, 3, 10, 2, 9, 1, 8, 0);
-    const __m512i second = _mm512_set_epi64(15, 7, 14, 6, 13, 5, 12, 4);
-    for (int64_t i = 0; i < kSteps * kCols / 2; i += 64) {
-      const __m512i bytes = _mm512_loadu_si512(block + kScaleBytes + i);
-      const __m512i lo = _mm512_and_si512(bytes, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-      _mm512_store_si512(levels + 2 * i, _mm512_permutex2var_epi64(lo, first, hi));
-      _mm512_store_si512(levels + 2 * i + 64, _mm512_permutex2var_epi64(lo, second, hi));
-    }
-  }
-
-  static inline __m512 from_levels(const uint8_t* block, const uint8_t* levels, int64_t kk) {
-    return rebuild16(block,
-                     _mm_load_si128(reinterpret_cast<const __m128i*>(levels + kk * kCols)));
   }
 #endif
 };
@@ -215,9 +224,9 @@ torch::Tensor pack(torch::Tensor weight) {
   const float* wp = w.data_ptr<float>();
   auto* out = static_cast<uint8_t*>(packed.data_ptr());
   std::atomic<bool> exact{true};
-  // Whole panels per thread: Q4_1 packs columns c and c + 8 into one byte (store's |=), so
-  // two threads must never share a panel. (Split by rows, at::parallel_for cut 48 rows into
-  // 24 and 24 on two threads and lost nibbles of the middle panel now and then.)
+  // Whole panels per thread: store() ORs levels into bytes (two steps of a column a byte).
+  // (When Q4_1 packed two columns a byte, a split by rows, at::parallel_for cutting 48 rows into
+  // 24 and 24 on two threads, lost nibbles of the middle panel now and then.)
   at::parallel_for(0, n / kCols, 1, [&](int64_t first_panel, int64_t last_panel) {
     float scales[2];
     int q[kSteps];

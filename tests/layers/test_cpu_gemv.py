@@ -254,6 +254,21 @@ def test_compact_packers_refuse_weights_they_cannot_rebuild_exactly(fmt):
         load_kernel().gemv_linear(torch.randn(2, 64), pack(weight))
 
 
+
+def test_q4_1_panels_take_fp16_scales_only():
+    """The panels keep a block's d and m in fp16, as GGUF stores them: Q4_1 values whose d or m
+    is no fp16 number get no compact panels (the caller keeps the fp32 ones)."""
+    gen = torch.Generator().manual_seed(11)
+    pack = load_kernel().pack_gemv_q4
+    d, q, m = q4_1_parts(gen, 32, 96)
+    assert pack((d * q + m).reshape(32, 96)).numel() > 0
+    fp32_d = d.clone()
+    fp32_d[5, 1] *= 1 + 2 ** -12   # below fp16's precision (a d one fp32 ulp off may rebuild
+    assert pack((fp32_d * q + m).reshape(32, 96)).numel() == 0   # the same weights as its fp16)
+    fp32_m = m.clone()
+    fp32_m[30, 2] = torch.nextafter(fp32_m[30, 2], torch.tensor(1.0))   # m is a weight (q = 0)
+    assert pack((d * q + fp32_m).reshape(32, 96)).numel() == 0
+
 def test_hybrid_linear_takes_compact_panels_for_short_steps_only():
     gen = torch.Generator().manual_seed(3)
     weight = q4_1_weight(gen, 64, 128)

@@ -312,8 +312,8 @@ void factored_tile(const float* x, int64_t ldx, const float* sums, int64_t block
       }
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
-      const float* scale = reinterpret_cast<const float*>(block + p * panel_stride);
-      const __m512 d = _mm512_loadu_ps(scale), mn = _mm512_loadu_ps(scale + gemv_blocks::kCols);
+      const __m512 d = F::scales16(block + p * panel_stride, 0);
+      const __m512 mn = F::scales16(block + p * panel_stride, 1);
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r)
         acc[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * blocks + b]), mn,

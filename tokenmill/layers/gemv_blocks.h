@@ -4,11 +4,11 @@
 // A model loaded from a Q4_1 or Q8_0 GGUF file holds, as fp32, w = (d * q) + m (Q4_1: q in
 // 0..15, one d and m per 32 inputs of a row, each operation rounded) or w = d * q (Q8_0: q in
 // -127..127). Such a weight packs into panels of 16 output columns that store, per block of
-// 32 k steps, the 16 columns' scales as fp32 and then their levels for each k step. The packer
-// recovers every block's scales and levels and checks that each weight rebuilds bit for bit;
-// if one does not, it returns an empty tensor and the caller keeps the fp32 panels. The
+// 32 k steps, the 16 columns' scales (Q4_1: fp16; Q8_0: fp32) and then their levels. The
+// packer recovers every block's scales and levels and checks that each weight rebuilds bit for
+// bit; if one does not, it returns an empty tensor and the caller keeps the fp32 panels. The
 // kernel rebuilds the 16 weights of a k step in two registers with the same roundings, so its
-// output is bitwise that of the fp32 panels, for 0.75 (Q4_1) or 1.125 (Q8_0) bytes a weight
+// output is bitwise that of the fp32 panels, for 0.625 (Q4_1) or 1.125 (Q8_0) bytes a weight
 // instead of 4.
 
 #include <algorithm>
@@ -26,6 +26,10 @@ constexpr int64_t kSteps = 32;   // k steps per block of scales
 
 inline bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
 
+// Whether v is an fp16 number (a GGUF block's d and m are), kept then in two bytes.
+inline bool is_half(float v) { return same_bits(static_cast<float>(c10::Half(v)), v); }
+inline uint16_t half_bits(float v) { return c10::Half(v).x; }
+
 // The candidates for a block's step d, nearest to `base` first (base, +1 ulp, -1 ulp, ...):
 // the stored d rebuilt the extreme weight through one or two roundings, so it is a few ulps
 // from what that weight implies.
@@ -37,7 +41,9 @@ inline float candidate(float base, int index) {
 }
 constexpr int kCandidates = 17;
 
-// w = (d * q) + m, q in 0..15. Block: d[16], m[16] (fp32), then the levels, by the build:
+// w = (d * q) + m, q in 0..15, d and m fp16 numbers (as a GGUF file stores them; other weights
+// take no compact panels). Block: d[16], m[16] (fp16: 64 bytes where fp32 took 128, a sixth of
+// the block), then the levels, by the build:
 // - with AVX-512, in groups of eight k steps, one 32-bit word per column: word c of group j
 //   holds column c's levels of steps 8j .. 8j + 7, four bits each from the lowest. A step's
 //   16 levels are then one shift of a group away, in the low four bits of 16 words, which
@@ -46,7 +52,7 @@ constexpr int kCandidates = 17;
 //   8-15: one byte-to-word widening serves both halves, where the words took AVX2 a shift
 //   more per half (20% slower at one row).
 struct Q4_1 {
-  static constexpr int64_t kScaleBytes = 2 * kCols * 4;
+  static constexpr int64_t kScaleBytes = 2 * kCols * 2;
 #if defined(__AVX512F__)
   static constexpr bool kColumnWords = true;
 #else
@@ -54,18 +60,26 @@ struct Q4_1 {
 #endif
   static constexpr int64_t kGroupSteps = 8;
   static constexpr int64_t kGroupBytes = kCols * 4;
-  static constexpr int64_t kBlockBytes = kScaleBytes + kSteps * kCols / 2;   // 384
+  static constexpr int64_t kBlockBytes = kScaleBytes + kSteps * kCols / 2;   // 320
   static constexpr auto kDtype = torch::kUInt8;
   static constexpr bool kHalfTiles = false;   // see the kernel's block_half_tile
 
   // One row's 32 weights -> scales {d, m} and levels, or false. m is the minimum (q = 0).
+  // An fp16 d first, where one rebuilds them (a GGUF block's does): the panels keep only such.
   static bool fit(const float* w, float* scales, int* q) {
+    return fit_with(w, scales, q, true) || fit_with(w, scales, q, false);
+  }
+
+  // Whether the panels can hold a block of these scales.
+  static bool storable(const float* scales) { return is_half(scales[0]) && is_half(scales[1]); }
+
+  static bool fit_with(const float* w, float* scales, int* q, bool half_d) {
     float lo = w[0], hi = w[0];
     for (int i = 1; i < kSteps; ++i) lo = std::min(lo, w[i]), hi = std::max(hi, w[i]);
     const float base = (hi - lo) / 15.f;
     for (int c = 0; c < (base > 0.f ? kCandidates : 1); ++c) {
       const float d = candidate(base, c);
-      bool ok = std::isfinite(d) && d >= 0.f;
+      bool ok = std::isfinite(d) && d >= 0.f && (!half_d || is_half(d));
       for (int i = 0; ok && i < kSteps; ++i) {
         const float level = d > 0.f ? std::nearbyint((w[i] - lo) / d) : 0.f;
         float product = d * level;
@@ -82,8 +96,8 @@ struct Q4_1 {
   }
 
   static void store(uint8_t* block, int64_t col, const float* scales, const int* q) {
-    reinterpret_cast<float*>(block)[col] = scales[0];
-    reinterpret_cast<float*>(block)[kCols + col] = scales[1];
+    reinterpret_cast<uint16_t*>(block)[col] = half_bits(scales[0]);
+    reinterpret_cast<uint16_t*>(block)[kCols + col] = half_bits(scales[1]);
     for (int64_t i = 0; i < kSteps; ++i) {
       if (!kColumnWords) {
         block[kScaleBytes + i * kCols / 2 + col % 8] |=
@@ -101,9 +115,14 @@ struct Q4_1 {
   }
 
 #if defined(__AVX2__) && defined(__FMA__)
+  // Eight of the block's d (which 0) or m (1) as floats: columns [8 half, 8 half + 8).
+  static inline __m256 scales8(const uint8_t* block, int which, int half) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(block + which * kCols * 2 + half * 16)));
+  }
+
   // The 16 weights of step kk (columns 0-7 in lo, 8-15 in hi).
   static inline void expand(const uint8_t* block, int64_t kk, __m256& lo, __m256& hi) {
-    const float* scale = reinterpret_cast<const float*>(block);
     const __m256i low = _mm256_set1_epi32(15);
     __m256i lo_levels, hi_levels;
     if constexpr (kColumnWords) {   // AVX2 tiles in an AVX-512 build: tests only
@@ -117,15 +136,21 @@ struct Q4_1 {
       lo_levels = _mm256_and_si256(bytes, low);
       hi_levels = _mm256_srli_epi32(bytes, 4);
     }
-    __m256 p_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo_levels), _mm256_loadu_ps(scale));
-    __m256 p_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(hi_levels), _mm256_loadu_ps(scale + 8));
+    __m256 p_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo_levels), scales8(block, 0, 0));
+    __m256 p_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(hi_levels), scales8(block, 0, 1));
     __asm__("" : "+x"(p_lo), "+x"(p_hi));   // keep both roundings
-    lo = _mm256_add_ps(p_lo, _mm256_loadu_ps(scale + kCols));
-    hi = _mm256_add_ps(p_hi, _mm256_loadu_ps(scale + kCols + 8));
+    lo = _mm256_add_ps(p_lo, scales8(block, 1, 0));
+    hi = _mm256_add_ps(p_hi, scales8(block, 1, 1));
   }
 #endif
 
 #if defined(__AVX512F__)
+  // The block's 16 d (which 0) or m (1) as floats.
+  static inline __m512 scales16(const uint8_t* block, int which) {
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + which * kCols * 2)));
+  }
+
   // Step kk's 16 levels as floats: the shifted group's low four bits looked up in 0..15.
   static inline __m512 levels16(const uint8_t* block, int64_t kk) {
     const __m512i words = _mm512_srli_epi32(
@@ -137,10 +162,9 @@ struct Q4_1 {
   // expand()'s 16 weights in one register, by the same operations: d * q, rounded, then + m,
   // rounded.
   static inline __m512 expand16(const uint8_t* block, int64_t kk) {
-    const float* scale = reinterpret_cast<const float*>(block);
-    __m512 product = _mm512_mul_ps(levels16(block, kk), _mm512_loadu_ps(scale));
+    __m512 product = _mm512_mul_ps(levels16(block, kk), scales16(block, 0));
     __asm__("" : "+v"(product));   // keep both roundings
-    return _mm512_add_ps(product, _mm512_loadu_ps(scale + kCols));
+    return _mm512_add_ps(product, scales16(block, 1));
   }
 #endif
 };
@@ -171,6 +195,8 @@ struct Q8_0 {
     }
     return false;
   }
+
+  static bool storable(const float*) { return true; }
 
   static void store(uint8_t* block, int64_t col, const float* scales, const int* q) {
     reinterpret_cast<float*>(block)[col] = scales[0];
@@ -232,7 +258,7 @@ torch::Tensor pack(torch::Tensor weight) {
     int q[kSteps];
     for (int64_t row = first_panel * kCols; row < last_panel * kCols && exact; ++row)
       for (int64_t b = 0; b < blocks; ++b) {
-        if (!F::fit(wp + row * k + b * kSteps, scales, q)) {
+        if (!F::fit(wp + row * k + b * kSteps, scales, q) || !F::storable(scales)) {
           exact = false;
           return;
         }

@@ -256,8 +256,8 @@ def test_compact_packers_refuse_weights_they_cannot_rebuild_exactly(fmt):
 
 
 def test_q4_1_panels_take_fp16_scales_only():
-    """The panels keep a block's d and m in fp16, as GGUF stores them: Q4_1 values whose d or m
-    is no fp16 number get no compact panels (the caller keeps the fp32 ones)."""
+    """The panels keep a block's scales in fp16, as GGUF stores them: Q4_1 (Q8_0, below) values
+    whose d or m is no fp16 number get no compact panels (the caller keeps the fp32 ones)."""
     gen = torch.Generator().manual_seed(11)
     pack = load_kernel().pack_gemv_q4
     d, q, m = q4_1_parts(gen, 32, 96)
@@ -268,6 +268,17 @@ def test_q4_1_panels_take_fp16_scales_only():
     fp32_m = m.clone()
     fp32_m[30, 2] = torch.nextafter(fp32_m[30, 2], torch.tensor(1.0))   # m is a weight (q = 0)
     assert pack((d * q + fp32_m).reshape(32, 96)).numel() == 0
+
+
+def test_q8_0_panels_take_fp16_steps_only():
+    gen = torch.Generator().manual_seed(12)
+    pack = load_kernel().pack_gemv_q8
+    d = (torch.rand(32, 3, 1, generator=gen) * 0.01 + 1e-4).half().float()
+    q = torch.randint(-126, 127, (32, 3, 32), generator=gen).float()
+    q[..., 0] = 127
+    assert pack((d * q).reshape(32, 96)).numel() > 0
+    d[7, 2] *= 1 + 2 ** -12
+    assert pack((d * q).reshape(32, 96)).numel() == 0
 
 def test_hybrid_linear_takes_compact_panels_for_short_steps_only():
     gen = torch.Generator().manual_seed(3)

@@ -4,11 +4,11 @@
 // A model loaded from a Q4_1 or Q8_0 GGUF file holds, as fp32, w = (d * q) + m (Q4_1: q in
 // 0..15, one d and m per 32 inputs of a row, each operation rounded) or w = d * q (Q8_0: q in
 // -127..127). Such a weight packs into panels of 16 output columns that store, per block of
-// 32 k steps, the 16 columns' scales (Q4_1: fp16; Q8_0: fp32) and then their levels. The
+// 32 k steps, the 16 columns' scales (fp16, as GGUF stores them) and then their levels. The
 // packer recovers every block's scales and levels and checks that each weight rebuilds bit for
 // bit; if one does not, it returns an empty tensor and the caller keeps the fp32 panels. The
 // kernel rebuilds the 16 weights of a k step in two registers with the same roundings, so its
-// output is bitwise that of the fp32 panels, for 0.625 (Q4_1) or 1.125 (Q8_0) bytes a weight
+// output is bitwise that of the fp32 panels, for 0.625 (Q4_1) or 1.0625 (Q8_0) bytes a weight
 // instead of 4.
 
 #include <algorithm>
@@ -169,20 +169,28 @@ struct Q4_1 {
 #endif
 };
 
-// w = d * q, q in -127..127. Block: d[16] (fp32), then per k step 16 signed bytes (columns).
+// w = d * q, q in -127..127, d an fp16 number (as GGUF stores it). Block: d[16] (fp16), then
+// per k step 16 signed bytes (columns).
 struct Q8_0 {
-  static constexpr int64_t kScaleBytes = kCols * 4;
-  static constexpr int64_t kBlockBytes = kScaleBytes + kSteps * kCols;   // 576
+  static constexpr int64_t kScaleBytes = kCols * 2;
+  static constexpr int64_t kBlockBytes = kScaleBytes + kSteps * kCols;   // 544
   static constexpr auto kDtype = torch::kInt8;
   static constexpr bool kHalfTiles = true;
 
+  // An fp16 d first, as Q4_1's fit.
   static bool fit(const float* w, float* scales, int* q) {
+    return fit_with(w, scales, q, true) || fit_with(w, scales, q, false);
+  }
+
+  static bool storable(const float* scales) { return is_half(scales[0]); }
+
+  static bool fit_with(const float* w, float* scales, int* q, bool half_d) {
     float amax = 0.f;
     for (int i = 0; i < kSteps; ++i) amax = std::max(amax, std::fabs(w[i]));
     const float base = amax / 127.f;
     for (int c = 0; c < (base > 0.f ? kCandidates : 1); ++c) {
       const float d = candidate(base, c);
-      bool ok = std::isfinite(d) && d >= 0.f;
+      bool ok = std::isfinite(d) && d >= 0.f && (!half_d || is_half(d));
       for (int i = 0; ok && i < kSteps; ++i) {
         const float level = d > 0.f ? std::nearbyint(w[i] / d) : 0.f;
         ok = level >= -128.f && level <= 127.f && same_bits(d * level, w[i]);
@@ -196,22 +204,24 @@ struct Q8_0 {
     return false;
   }
 
-  static bool storable(const float*) { return true; }
-
   static void store(uint8_t* block, int64_t col, const float* scales, const int* q) {
-    reinterpret_cast<float*>(block)[col] = scales[0];
+    reinterpret_cast<uint16_t*>(block)[col] = half_bits(scales[0]);
     for (int64_t i = 0; i < kSteps; ++i)
       reinterpret_cast<int8_t*>(block + kScaleBytes)[i * kCols + col] = static_cast<int8_t>(q[i]);
   }
 
 #if defined(__AVX2__) && defined(__FMA__)
+  // Eight of the block's d as floats: columns [8 half, 8 half + 8).
+  static inline __m256 steps8(const uint8_t* block, int half) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + half * 16)));
+  }
+
   static inline void expand(const uint8_t* block, int64_t kk, __m256& lo, __m256& hi) {
-    const float* scale = reinterpret_cast<const float*>(block);
     const __m128i bytes =
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols));
-    lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_loadu_ps(scale));
+    lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), steps8(block, 0));
     hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))),
-                       _mm256_loadu_ps(scale + 8));
+                       steps8(block, 1));
   }
 
   // expand()'s lo (half 0) or hi (half 1) alone: the 8 weights of step kk in columns
@@ -219,8 +229,7 @@ struct Q8_0 {
   static inline __m256 expand_half(const uint8_t* block, int64_t kk, int half) {
     const __m128i bytes = _mm_loadl_epi64(
         reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols + 8 * half));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
-                         _mm256_loadu_ps(reinterpret_cast<const float*>(block) + 8 * half));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), steps8(block, half));
   }
 #endif
 
@@ -229,7 +238,7 @@ struct Q8_0 {
     const __m128i bytes =
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)),
-                         _mm512_loadu_ps(reinterpret_cast<const float*>(block)));
+                         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block))));
   }
 #endif
 };

@@ -143,13 +143,20 @@ def q4_1_weight(gen: torch.Generator, out_features: int, in_features: int) -> to
     return (d * q + m).reshape(out_features, in_features)
 
 
-def q8_0_weight(gen: torch.Generator, out_features: int, in_features: int) -> torch.Tensor:
-    """As a Q8_0 GGUF loads them: d * q, one fp16 d per 32 inputs, q in -127..127 (the
-    largest weight of a block at level 127 or -127, as the quantizer makes it)."""
+def q8_0_parts(gen: torch.Generator, out_features: int,
+               in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 weight's d and q ([out, blocks, 1], [out, blocks, 32]): one fp16 d per 32 inputs,
+    q in -127..127 (the largest weight of a block at level 127 or -127, as the quantizer
+    makes it)."""
     d = (torch.rand(out_features, in_features // 32, 1, generator=gen) * 0.01 + 1e-4).half().float()
     q = torch.randint(-126, 127, (out_features, in_features // 32, 32), generator=gen).float()
     q[..., 0] = 127 * (torch.randint(0, 2, q.shape[:2], generator=gen) * 2 - 1)
-    q = q[..., torch.randperm(32, generator=gen)]
+    return d, q[..., torch.randperm(32, generator=gen)]
+
+
+def q8_0_weight(gen: torch.Generator, out_features: int, in_features: int) -> torch.Tensor:
+    """As a Q8_0 GGUF loads them: d * q in fp32."""
+    d, q = q8_0_parts(gen, out_features, in_features)
     return (d * q).reshape(out_features, in_features)
 
 
@@ -188,31 +195,43 @@ def test_compact_panels_give_bitwise_the_fp32_panels_output(fmt, rows, blocks, p
 FACTORED = load_kernel() is not None and load_kernel().gemv_use_factored(True)
 
 
+def factored_parts(fmt: str, gen: torch.Generator, out_features: int,
+                   in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight of format fmt and the magnitudes of its terms (|d q| + |m|, or |d q|)."""
+    if fmt == "q4_1":
+        d, q, m = q4_1_parts(gen, out_features, in_features)
+        weight, magnitude = d * q + m, (d * q).abs() + m.abs()
+    else:
+        d, q = q8_0_parts(gen, out_features, in_features)
+        weight, magnitude = d * q, (d * q).abs()
+    return weight.reshape(out_features, in_features), magnitude.reshape(out_features, in_features)
+
+
 @pytest.mark.skipif(not FACTORED, reason="the kernel was built without AVX-512 here")
+@pytest.mark.parametrize("fmt", FORMATS)
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 7), blocks=st.integers(1, 48), panels=st.integers(1, 9),
        seed=st.integers(0, 2**16))
 @example(rows=1, blocks=48, panels=9, seed=0)    # four panels side by side, then one
 @example(rows=6, blocks=3, panels=3, seed=1)     # the largest factored step
-def test_factored_q4_1_is_within_the_rounding_bound_and_batch_invariant(rows, blocks, panels,
-                                                                        seed):
-    # Up to 6 rows, y = sum over blocks of d (q . x) + m sum(x). Each output must be within
-    # the rounding bound of a dot product of that length (k + 2 blocks + 2 roundings of the
-    # terms' magnitudes) of the exact result, whatever the weights' offsets m: a lost or
+def test_factored_form_is_within_the_rounding_bound_and_batch_invariant(fmt, rows, blocks,
+                                                                       panels, seed):
+    # Up to 6 rows, y = sum over blocks of d (q . x) (+ m sum(x), Q4_1). Each output must be
+    # within the rounding bound of a dot product of that length (k + 2 blocks + 2 roundings of
+    # the terms' magnitudes) of the exact result, whatever the weights' offsets m: a lost or
     # misplaced m term, scale or block is far outside it. A row's result must not depend on
     # the rows beside it; 7 rows hand over to the rebuilt weights (bitwise the fp32 panels).
     gen = torch.Generator().manual_seed(seed)
     kernel = load_kernel()
-    d, q, m = q4_1_parts(gen, panels * 16, blocks * 32)
-    weight = (d * q + m).reshape(panels * 16, blocks * 32)
-    compact = kernel.pack_gemv_q4(weight)
+    weight, magnitudes = factored_parts(fmt, gen, panels * 16, blocks * 32)
+    compact = getattr(kernel, FORMATS[fmt][1])(weight)
     x = torch.randn(rows, blocks * 32, generator=gen)
     got = kernel.gemv_linear(x, compact)
     if rows > 6:
         assert torch.equal(got, kernel.gemv_linear(x, kernel.pack_gemv_weight(weight)))
         return
     exact = x.double() @ weight.double().T
-    magnitude = x.double().abs() @ ((d * q).abs() + m.abs()).reshape_as(weight).double().T
+    magnitude = x.double().abs() @ magnitudes.double().T
     bound = (blocks * 32 + 2 * blocks + 2) * 2.0 ** -24 * magnitude
     assert ((got.double() - exact).abs() <= bound).all()
     for row in range(rows):
@@ -222,7 +241,8 @@ def test_factored_q4_1_is_within_the_rounding_bound_and_batch_invariant(rows, bl
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a race needs two threads")
 def test_q4_1_packer_gives_the_same_panels_on_every_thread_count():
-    """Q4_1 packs columns c and c + 8 of a panel into one byte; when the packer's threads
+    """Q4_1 packed (and packs, in AVX2 builds) columns c and c + 8 of a panel into one
+    byte; when the packer's threads
     split the rows mid-panel (48 rows: 24 and 24 on two threads), both wrote that byte at once
     and now and then one's nibbles were lost (about one pack in 6,000 here): the model got
     wrong weights and no error. Many packs of such a weight must all equal a one-thread pack."""

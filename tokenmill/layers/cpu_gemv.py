@@ -2,9 +2,10 @@
 
 Weights that are exactly Q4_1 or Q8_0 values (as a GGUF model of those types loads) can also
 stream as compact panels, which the kernel rebuilds as the same fp32 values: bitwise the same
-output for a fifth (Q4_1) or a quarter (Q8_0) of the bytes. Where the build has AVX-512, Q4_1
-steps of up to 6 rows take the factored form instead (d (q . x) + m sum(x) a block, no weight
-rebuilt; gemv_avx512.h): as accurate, not bitwise; `gemv_use_factored(False)` switches it off.
+output for a sixth (Q4_1) or 27% (Q8_0) of the bytes (their blocks' scales in fp16, as GGUF
+keeps them). Where the build has AVX-512, steps of up to 6 rows take the factored form instead
+(d (q . x) + m sum(x) a block, Q8_0 without m; no weight rebuilt; gemv_avx512.h): as
+accurate, not bitwise; `gemv_use_factored(False)` switches it off.
 
 SmolLM2's 120 layer GEMMs (distinct weights, so they stream from memory), best of several
 runs, oneDNN's packed GEMM -> this kernel: M = 1: 20 -> 14 ms (memory bandwidth); M = 8:

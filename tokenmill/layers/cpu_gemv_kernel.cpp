@@ -317,7 +317,7 @@ bool gemv_use_avx512(bool on) {
   return use_avx512;
 }
 
-// Whether the AVX-512 route takes Q4_1 panels in the factored form for up to 6 rows
+// Whether the AVX-512 route takes compact panels in the factored form for up to 6 rows
 // (gemv_avx512.h) rather than rebuilding the fp32 weights; tests switch it off to compare.
 static std::atomic<bool> use_factored{gemv_avx512::kAvailable};
 
@@ -326,21 +326,26 @@ bool gemv_use_factored(bool on) {
   return use_factored;
 }
 
+#if defined(__AVX512F__)
+template <typename F>
+static void compact_linear(int64_t m, const float* x, int64_t k_len, const torch::Tensor& packed,
+                           float* y, int64_t n) {
+  const auto* wp = static_cast<const uint8_t*>(packed.data_ptr());
+  if (use_factored && m <= gemv_avx512::kFactoredMaxRows)
+    return gemv_avx512::factored_linear<F>(m, x, k_len, wp, packed.size(0), y, n);
+  gemv_avx512::block_linear<F>(m, x, k_len, wp, packed.size(0), y, n);
+}
+#endif
+
 static void avx512_linear(int64_t m, const float* x, int64_t k_len, const torch::Tensor& packed,
                           float* y, int64_t n) {
 #if defined(__AVX512F__)
   const int64_t panels = packed.size(0);
   switch (packed.scalar_type()) {
     case torch::kUInt8:
-      if (use_factored && m <= gemv_avx512::kFactoredMaxRows)
-        return gemv_avx512::factored_linear(m, x, k_len,
-                                            static_cast<const uint8_t*>(packed.data_ptr()),
-                                            panels, y, n);
-      return gemv_avx512::block_linear<gemv_blocks::Q4_1>(
-          m, x, k_len, static_cast<const uint8_t*>(packed.data_ptr()), panels, y, n);
+      return compact_linear<gemv_blocks::Q4_1>(m, x, k_len, packed, y, n);
     case torch::kInt8:
-      return gemv_avx512::block_linear<gemv_blocks::Q8_0>(
-          m, x, k_len, static_cast<const uint8_t*>(packed.data_ptr()), panels, y, n);
+      return compact_linear<gemv_blocks::Q8_0>(m, x, k_len, packed, y, n);
     default:
       return gemv_avx512::linear(m, x, k_len, packed.data_ptr<float>(), panels, y, n);
   }

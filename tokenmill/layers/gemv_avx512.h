@@ -3,7 +3,7 @@
 // against 2 panels (24 accumulators) where the AVX2 tiles hold 6 rows against one, and each
 // FMA does twice the work. Every output still sums its k steps in order, one FMA each, over
 // the same (rebuilt) weights: the result is bitwise that of the AVX2 tiles, whatever the rows
-// beside it. The exception, by default: Q4_1 panels in steps of up to 6 rows, in the
+// beside it. The exception, by default: compact panels in steps of up to 6 rows, in the
 // factored form (factored_linear, at the end).
 //
 // The plan is the AVX2 one: up to one row group (12 rows), one pass over the panels, several
@@ -258,7 +258,7 @@ void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, i
   });
 }
 
-// ---- Q4_1 in the factored form, for one row group ----
+// ---- Q4_1 (and Q8_0) in the factored form, for one row group ----
 // A Q4_1 weight is w = d q + m per block of 32 inputs, so a row's product over a block is
 // d (q . x) + m sum(x): the levels convert to floats and meet x directly, and each block's
 // two scales come in once per row and panel (two FMAs a block), where block_tile rebuilds
@@ -276,6 +276,13 @@ void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, i
 // 2.73; M = 4: 4.51 -> 3.85; M = 6: 5.76 -> 5.51 (rebuilt at M = 8: 7.86 -> 7.64), the same
 // outputs bit for bit. Streamed from memory they measured even in a busy hour (M = 1: 4.70
 // against 4.71 ms): the stream bounds them there, as it now does the kernel in a quiet one.
+//
+// Q8_0 (w = d q: the default model's lm_head) takes the same tiles without the m term: a
+// widening and a conversion a step and panel, one FMA a block, where rebuilding took a
+// multiply more a step. The lm_head (49152 x 576) from huge pages while it sat in the VM's
+// L3 (bound by the rebuild, not the bytes), 31 paired rounds: M = 1 0.78 -> 0.65 ms, M = 2
+// 1.13 -> 0.94, M = 4 1.31 -> 1.16, M = 6 1.65 -> 1.55; largest error against float64 at
+// M = 1 2.6e-6 (rebuilt 1.0e-5).
 
 // The longest step taken in the factored form. From 7 rows the rows' FMAs bound the step and
 // the tiles that fit (one panel a tile, 2 R accumulators) measured even with block_tile's
@@ -288,13 +295,12 @@ constexpr int64_t kFactoredMaxRows = 6;
 // sum), P levels and a broadcast in 32 registers.
 constexpr int factored_side_panels(int64_t rows) { return rows <= 3 ? 4 : rows == 4 ? 3 : 2; }
 
-// y[R, 16 P] = x[R, k_len] @ P compact Q4_1 panels (`panel_stride` bytes apart), factored;
-// sums[r * blocks + b]: row r's sum of x over block b. A block's products gather in their own
-// accumulators, scaled once at its end.
-template <int R, int P>
+// y[R, 16 P] = x[R, k_len] @ P compact panels of format F (`panel_stride` bytes apart),
+// factored; sums[r * blocks + b] (Q4_1's m terms): row r's sum of x over block b. A block's
+// products gather in their own accumulators, scaled once at its end.
+template <typename F, int R, int P>
 void factored_tile(const float* x, int64_t ldx, const float* sums, int64_t blocks,
                    const uint8_t* panel, int64_t panel_stride, float* y, int64_t ldy) {
-  using F = gemv_blocks::Q4_1;
   __m512 acc[R][P];
   start_tile<R, P>(acc, y, ldy, false);
   for (int64_t b = 0; b < blocks; ++b) {
@@ -313,39 +319,44 @@ void factored_tile(const float* x, int64_t ldx, const float* sums, int64_t block
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
       const __m512 d = F::scales16(block + p * panel_stride, 0);
-      const __m512 mn = F::scales16(block + p * panel_stride, 1);
 #pragma GCC unroll 12
-      for (int r = 0; r < R; ++r)
-        acc[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * blocks + b]), mn,
-                                    _mm512_fmadd_ps(part[r][p], d, acc[r][p]));
+      for (int r = 0; r < R; ++r) acc[r][p] = _mm512_fmadd_ps(part[r][p], d, acc[r][p]);
+      if constexpr (F::kHasMins) {
+        const __m512 mn = F::scales16(block + p * panel_stride, 1);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r)
+          acc[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * blocks + b]), mn, acc[r][p]);
+      }
     }
   }
   store_tile<R, P>(acc, y, ldy);
 }
 
-// y[m, 16 panels] = x[m, k_len] @ compact Q4_1 panels, m <= kFactoredMaxRows, factored. A row's
-// result does not depend on m (the same sums and FMAs in the same order) nor on the thread.
-inline void factored_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp,
-                            int64_t panels, float* y, int64_t n) {
+// y[m, 16 panels] = x[m, k_len] @ compact panels of format F, m <= kFactoredMaxRows, factored.
+// A row's result does not depend on m (the same sums and FMAs in the same order) nor on the
+// thread.
+template <typename F>
+void factored_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp,
+                     int64_t panels, float* y, int64_t n) {
   const int64_t blocks = k_len / gemv_blocks::kSteps;
   // Kept between calls (no allocation once large enough); the caller's, so the threads below
   // read it through a pointer (by name, each would see its own).
   thread_local std::vector<float> kept;
-  kept.resize(m * blocks);
+  kept.resize(F::kHasMins ? m * blocks : 0);
   float* sums = kept.data();
-  for (int64_t r = 0; r < m; ++r)
+  for (int64_t r = 0; r < (F::kHasMins ? m : 0); ++r)
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = x + r * k_len + b * gemv_blocks::kSteps;
       sums[r * blocks + b] = _mm512_reduce_add_ps(
           _mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)));
     }
-  const int64_t stride = blocks * gemv_blocks::Q4_1::kBlockBytes;
+  const int64_t stride = blocks * F::kBlockBytes;
   const int64_t chunk = tokenmill_parallel::chunk_for(panels, factored_side_panels(m));
   tokenmill_parallel::parallel_chunks(panels, chunk, [&](int64_t begin, int64_t end) {
     with_rows_in<1, kFactoredMaxRows>(m, [&]<int R>() {
       constexpr int kSide = factored_side_panels(R);
       const auto at = [&]<int P>(int64_t panel) {
-        factored_tile<R, P>(x, k_len, sums, blocks, wp + panel * stride, stride,
+        factored_tile<F, R, P>(x, k_len, sums, blocks, wp + panel * stride, stride,
                             y + panel * kPanel, n);
       };
       int64_t p = begin;

@@ -145,6 +145,8 @@ struct Q4_1 {
 #endif
 
 #if defined(__AVX512F__)
+  static constexpr bool kHasMins = true;   // the factored form's m sum(x) term
+
   // The block's 16 d (which 0) or m (1) as floats.
   static inline __m512 scales16(const uint8_t* block, int which) {
     return _mm512_cvtph_ps(
@@ -234,11 +236,20 @@ struct Q8_0 {
 #endif
 
 #if defined(__AVX512F__)
+  static constexpr bool kHasMins = false;
+
+  // The block's 16 d as floats (which: 0, as Q4_1's d).
+  static inline __m512 scales16(const uint8_t* block, int) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+  }
+
+  static inline __m512 levels16(const uint8_t* block, int64_t kk) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols))));
+  }
+
   static inline __m512 expand16(const uint8_t* block, int64_t kk) {
-    const __m128i bytes =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)),
-                         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block))));
+    return _mm512_mul_ps(levels16(block, kk), scales16(block, 0));
   }
 #endif
 };

@@ -105,6 +105,23 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t panel_stride,
 constexpr int64_t kUnrollSteps = 8;
 static_assert(gemv_blocks::Q4_1::kGroupSteps == kUnrollSteps);
 
+// acc += x[R, one block's 32 steps] (xb: its first) @ P panels' weights for them, each step's
+// from weights(the panel's block, step).
+template <int R, int P, typename Weights>
+__attribute__((always_inline)) inline void block_steps(__m512 (&acc)[R][P], const float* xb,
+                                                       int64_t ldx, const uint8_t* block,
+                                                       int64_t panel_stride,
+                                                       const Weights& weights) {
+  for (int64_t g = 0; g < gemv_blocks::kSteps; g += kUnrollSteps)
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < kUnrollSteps; ++i) {
+      __m512 w[P];
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) w[p] = weights(block + p * panel_stride, g + i);
+      fma_rows<R, P>(acc, xb + g + i, ldx, w);
+    }
+}
+
 // The same over P compact panels of format F (`panel_stride` bytes apart), k_len a multiple
 // of 32: each k step's weights rebuilt once, then the same FMAs in the same order.
 template <typename F, int R, int P>
@@ -112,17 +129,9 @@ void block_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t panel
                 int64_t k_len, float* y, int64_t ldy) {
   __m512 acc[R][P];
   start_tile<R, P>(acc, y, ldy, false);
-  for (int64_t k0 = 0; k0 < k_len; k0 += gemv_blocks::kSteps) {
-    const uint8_t* block = panel + (k0 / gemv_blocks::kSteps) * F::kBlockBytes;
-    for (int64_t g = 0; g < gemv_blocks::kSteps; g += kUnrollSteps)
-#pragma GCC unroll 8
-      for (int64_t i = 0; i < kUnrollSteps; ++i) {
-        __m512 w[P];
-#pragma GCC unroll 4
-        for (int p = 0; p < P; ++p) w[p] = F::expand16(block + p * panel_stride, g + i);
-        fma_rows<R, P>(acc, x + k0 + g + i, ldx, w);
-      }
-  }
+  for (int64_t k0 = 0; k0 < k_len; k0 += gemv_blocks::kSteps)
+    block_steps<R, P>(acc, x + k0, ldx, panel + (k0 / gemv_blocks::kSteps) * F::kBlockBytes,
+                      panel_stride, F::expand16);
   store_tile<R, P>(acc, y, ldy);
 }
 
@@ -308,14 +317,7 @@ void factored_tile(const float* x, int64_t ldx, const float* sums, int64_t block
     const float* xb = x + b * gemv_blocks::kSteps;
     __m512 part[R][P];
     start_tile<R, P>(part, y, ldy, false);   // zeros (y is not read)
-    for (int64_t g = 0; g < gemv_blocks::kSteps; g += kUnrollSteps)
-#pragma GCC unroll 8
-      for (int64_t i = 0; i < kUnrollSteps; ++i) {
-        __m512 w[P];
-#pragma GCC unroll 4
-        for (int p = 0; p < P; ++p) w[p] = F::levels16(block + p * panel_stride, g + i);
-        fma_rows<R, P>(part, xb + g + i, ldx, w);
-      }
+    block_steps<R, P>(part, xb, ldx, block, panel_stride, F::levels16);
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
       const __m512 d = F::scales16(block + p * panel_stride, 0);

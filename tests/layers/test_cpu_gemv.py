@@ -182,7 +182,7 @@ def test_compact_panels_give_bitwise_the_fp32_panels_output(fmt, rows, blocks, p
     weight = make(gen, panels * 16, blocks * 32)
     compact = getattr(kernel, packer)(weight)
     assert compact.dtype == dtype and compact.numel() > 0
-    assert compact.numel() < weight.numel() * 4 // 3      # at most 1.125 bytes a weight
+    assert compact.numel() <= weight.numel() * 17 // 16   # at most 1.0625 bytes a weight
     x = torch.randn(rows, blocks * 32, generator=gen)
     with switched_off(kernel.gemv_use_factored):
         together = kernel.gemv_linear(x, compact)

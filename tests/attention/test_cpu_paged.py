@@ -77,6 +77,10 @@ CASES = [  # (seq_lens, kv_heads, groups, shared prefix, sliding window)
     ([1100 + 3 * i for i in range(16)] + [40, 700], 3, 3, 1088, None),
     ([1100, 1090, 1200], 1, 9, 1024, None),
     ([600, 610, 5, 620, 900], 3, 1, 592, None),   # one query head per kv head; a 1-block tail
+    # 12 rows (requests x query heads of a kv head) or more go in lanes, passes of 48 (16)
+    ([300 + 5 * i for i in range(4)], 3, 3, 256, None),   # 12 rows: the fewest in lanes
+    ([1100 + i for i in range(20)], 3, 3, 1088, None),     # 60 rows: passes of 48 and 12
+    ([700 + 3 * i for i in range(13)], 2, 4, 640, None),   # 52: a last pass of 4 rows
     # below two requests per thread each context is cut into slices of blocks, merged after
     ([1000], 3, 3, 0, None),
     ([700, 3], 3, 3, 0, None),              # the short request's later slices are empty
@@ -302,19 +306,23 @@ AVX512_TILES = load_kernel() is not None and load_kernel().paged_attention_has_a
 @settings(max_examples=25, deadline=None)
 @given(cached=st.integers(0, 400), query_len=st.integers(1, 120),
        groups=st.sampled_from([1, 3, 5]), block_size=st.sampled_from([8, 16, 32]),
-       head_dim=st.sampled_from([40, 64, 128]), seed=st.integers(0, 2**16))
+       head_dim=st.sampled_from([40, 64, 128]), members=st.sampled_from([3, 17]),
+       seed=st.integers(0, 2**16))
 def test_avx512_tiles_give_bitwise_the_avx2_tiles_output(cached, query_len, groups, block_size,
-                                                         head_dim, seed):
+                                                         head_dim, members, seed):
     # The AVX-512 tiles (12 rows x 16 keys, 6 rows x 64 dims) and the 16-lane values step of a
-    # single decode make the same FMAs in the same order as the AVX2 ones, so prefill chunks,
-    # shared-prefix decodes and a lone decode come out bit for bit the same on either.
+    # single decode make the same FMAs in the same order as the AVX2 ones, and rows in 16 lanes
+    # the same operations per row as in 8, so prefill chunks, shared-prefix decodes (3 or 17 of
+    # them: 3-85 rows, row tiles or passes of lanes) and a lone decode come out bit for bit the
+    # same on either.
     gen = torch.Generator().manual_seed(seed)
     query, _, _, caches, span = random_prefill(gen, cached, query_len, 2, groups, block_size,
                                                head_dim)
     kernel, scale = load_kernel(), head_dim ** -0.5
     shared = (span.seq_len - 1) // block_size   # the context's full blocks, as the prefix
-    decodes = (span.block_table[:shared + 1].repeat(3, 1),    # of three decodes
-               torch.tensor([shared * block_size + 1] * 3), torch.randn(3, *query.shape[1:]))
+    decodes = (span.block_table[:shared + 1].repeat(members, 1),
+               torch.tensor([shared * block_size + 1] * members),
+               torch.randn(members, *query.shape[1:], generator=gen))
 
     lone = torch.randn(1, *query.shape[1:], generator=gen)   # the per-request route
 

@@ -23,9 +23,9 @@ from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.kernels.cpp_build import AVX2_MATH, ENTRY_POINTS, WORK_SHARING, CpuExtension
 
 # The kernel's parts, put in front of cpu_paged_kernel.cpp in this order (each uses the ones
-# before it): the online softmax, a decode one request at a time, the row tiles.
+# before it): the online softmax, a decode one request at a time, the row tiles, rows in lanes.
 PARTS = tuple(Path(__file__).with_name(part) for part in (
-    "paged_softmax.h", "paged_decode_rows.h", "paged_row_tiles.h"))
+    "paged_softmax.h", "paged_decode_rows.h", "paged_row_tiles.h", "paged_shared_lanes.h"))
 KERNEL = CpuExtension("tokenmill_cpu_paged", Path(__file__).with_name("cpu_paged_kernel.cpp"),
                       ["paged_decode_attention", "paged_prefill_attention",
                        "paged_attention_has_avx512", "paged_attention_use_avx512",

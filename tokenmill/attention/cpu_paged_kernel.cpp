@@ -2,14 +2,15 @@
 // read K/V in place from the paged cache through their block tables. No gather, no padding:
 // blocks shared between requests (a common prefix) are read in place and stay in cache.
 //
-// The build puts three files in front of this one (attention/cpu_paged.py): paged_softmax.h
-// (the online softmax), paged_decode_rows.h (a decode, one request at a time) and
-// paged_row_tiles.h (register tiles of many query rows against a run of blocks).
+// The build puts four files in front of this one (attention/cpu_paged.py): paged_softmax.h
+// (the online softmax), paged_decode_rows.h (a decode, one request at a time),
+// paged_row_tiles.h (register tiles of many query rows against a run of blocks) and
+// paged_shared_lanes.h (many query rows across the vector lanes).
 //
 // Decodes over a common prefix of at least 4 blocks (a system prompt in the prefix cache)
 // take another route, attend_with_groups below: the shared blocks are attended by all of
-// the group's query heads at once, and each request's own blocks after them one request at a
-// time.
+// the group's query heads at once (row tiles for a few rows, lanes for 12 or more), and each
+// request's own blocks after them one request at a time.
 //
 // Prefill chunks (paged_prefill_attention) use that route's row tiles too: a chunk's tokens
 // times the query heads of a kv head are the rows, causal limits mask each row's later keys.
@@ -38,11 +39,13 @@ namespace {
 // same blocks. Per request, a kv head's key row serves only its `groups` query heads, with a
 // horizontal sum per key, and the loops wait on loads (about 0.6 FMA a cycle, measured). Here
 // all the requests' query heads of a kv head score a shared block at once, as a small matrix
-// product: the block's keys are transposed once into a [dim, block] tile, and each register tile
-// of 6 query rows x 16 keys adds rank-1 updates, 12 FMAs per 8 loads, with no horizontal sums.
-// The values go the same way (6 rows x 16 dims). Each (group, kv head, chunk of shared blocks)
-// is a work item; each request attends its own blocks after the prefix as one more item; the
-// partial softmax states are merged per request (as the slices are).
+// product. A few rows: the block's keys are transposed once into a [dim, block] tile, and each
+// register tile of 6 query rows x 16 keys adds rank-1 updates, 12 FMAs per 8 loads, with no
+// horizontal sums; the values go the same way (6 rows x 16 dims). Many rows: the rows lie
+// across the lanes, each key element broadcast against them (paged_shared_lanes.h). Each
+// (group, kv head, chunk of shared blocks, pass of rows) is a work item; each request attends
+// its own blocks after the prefix as one more item; the partial softmax states are merged per
+// request (as the slices are).
 constexpr int64_t kMinSharedBlocks = 4;   // shorter common prefixes: the per-request path
 constexpr int64_t kChunkBlocks = 16;      // shared blocks per work item
 
@@ -85,11 +88,147 @@ std::vector<SharedGroup> find_shared_groups(const int64_t* table, const int64_t*
 
 
 #ifdef __AVX2__
-// One unit of work of attend_with_groups: a (group, kv head, chunk) of shared blocks, or a
-// request's own blocks after its group's prefix (group < 0: a request in no group, whole).
+// Groups of fewer rows (requests x query heads of a kv head) take the row tiles over
+// transposed keys (attend_rows), more the rows in lanes (paged_shared_lanes.h): with few rows
+// the lanes are mostly padding or the broadcasts cost as much as the FMAs. 16 x 1,056-token
+// contexts over a 1,024-token prefix, 30 layers, SmolLM2's shapes (3 query heads a kv head),
+// alternating calls (2-core Xeon): 2 requests 0.81x in lanes, 3 0.94x, 4 1.03x, 8 1.07x, 16
+// 1.19-1.26x the tiles' speed. The choice depends on the rows only, not the lane width.
+constexpr int64_t kMinLaneRows = 12;
+
+// One unit of work of attend_with_groups: a pass of rows (from row0 of the group's members x
+// query heads) over a (group, kv head, chunk) of shared blocks, or a request's own blocks after
+// its group's prefix (group < 0: a request in no group, whole).
 struct WorkItem {
-  int64_t group, head, chunk, request;
+  int64_t group, head, chunk, request, row0;
 };
+
+// The work items of attend_with_groups: the shared ones (a pass of `pass` rows each where a
+// group takes the lanes, else all its rows), then one per request.
+std::vector<WorkItem> group_items(const std::vector<SharedGroup>& groups,
+                                  const std::vector<int64_t>& group_of, int64_t pass,
+                                  const Shape& s) {
+  std::vector<WorkItem> items;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const int64_t rows = static_cast<int64_t>(groups[g].members.size()) * s.groups;
+    const int64_t step = rows >= kMinLaneRows ? pass : rows;
+    for (int64_t h = 0; h < s.kv_heads; ++h)
+      for (int64_t c = 0; c < groups[g].chunks(); ++c)
+        for (int64_t row0 = 0; row0 < rows; row0 += step)
+          items.push_back({static_cast<int64_t>(g), h, c, -1, row0});
+  }
+  for (int64_t r = 0; r < static_cast<int64_t>(group_of.size()); ++r)
+    items.push_back({group_of[r], 0, 0, r, 0});
+  return items;
+}
+
+// What every item of attend_with_groups reads, and the parts its states go to (part p of the
+// batch: heads x dim floats of acc, heads of max and sum).
+struct GroupBatch {
+  const std::vector<SharedGroup>& groups;
+  const float *q, *kc, *vc;
+  const int64_t *table, *lens;
+  const std::vector<int64_t>& first_part;
+  float scale;
+  const Shape& s;
+  float *part_acc, *part_max, *part_sum;
+
+  // where row `row` of a group item's rows, chunk `chunk`, keeps its state; its query row
+  std::pair<int64_t, const float*> row_of(const WorkItem& item, int64_t row) const {
+    const int64_t request = groups[item.group].members[row / s.groups];
+    const int64_t head = item.head * s.groups + row % s.groups;
+    return {(first_part[request] + item.chunk) * s.heads + head,
+            q + (request * s.heads + head) * s.dim};
+  }
+};
+
+// A thread's scratch: attend's and the row tiles' (groups of fewer than kMinLaneRows rows),
+// and the lanes'.
+struct GroupScratch {
+  std::vector<float> q_buf, scores, kt, acc, mx, sm;
+  LaneScratch lanes;
+
+  GroupScratch(const Shape& s, int64_t pass)
+      : q_buf(std::max(kMinLaneRows, s.heads) * s.dim),
+        scores(std::max(kMinLaneRows * step_keys(s.block_size), s.heads * s.block_size)),
+        kt(s.dim * step_keys(s.block_size)), acc(kMinLaneRows * s.dim), mx(kMinLaneRows),
+        sm(kMinLaneRows), lanes(s.dim, step_keys(s.block_size), pass) {}
+};
+
+// The item's chunk of shared blocks and their first step asked for (while the queries gather).
+std::pair<int64_t, int64_t> chunk_blocks(const WorkItem& item, const GroupBatch& batch) {
+  const SharedGroup& group = batch.groups[item.group];
+  const int64_t b0 = item.chunk * kChunkBlocks, b1 = std::min(group.blocks, b0 + kChunkBlocks);
+  const int64_t* shared = batch.table + group.members[0] * batch.s.max_blocks;
+  const int first = static_cast<int>(std::min<int64_t>(step_blocks(batch.s.block_size), b1 - b0));
+  StepRows{batch.kc, shared + b0, first, batch.s, item.head}.prefetch(0, 1);
+  StepRows{batch.vc, shared + b0, first, batch.s, item.head}.prefetch(0, 1);
+  return {b0, b1};
+}
+
+// A group item of fewer than kMinLaneRows rows: all of them, in row tiles.
+void attend_tile_item(const WorkItem& item, const GroupBatch& batch, GroupScratch& sc) {
+  const Shape& s = batch.s;
+  const int64_t dim = s.dim;
+  const int n = static_cast<int>(batch.groups[item.group].members.size() * s.groups);
+  const auto [b0, b1] = chunk_blocks(item, batch);
+  for (int j = 0; j < n; ++j) {   // pre-scaled rows of kv head `head`
+    const float* src = batch.row_of(item, j).second;
+    for (int64_t d = 0; d < dim; ++d) sc.q_buf[j * dim + d] = src[d] * batch.scale;
+  }
+  attend_rows(sc.q_buf.data(), n, batch.kc, batch.vc,
+              batch.table + batch.groups[item.group].members[0] * s.max_blocks, b0, b1,
+              item.head, s, kWholeBlocks, nullptr, sc.kt.data(), sc.scores.data(),
+              sc.acc.data(), sc.mx.data(), sc.sm.data());
+  for (int j = 0; j < n; ++j) {
+    const int64_t dst = batch.row_of(item, j).first;
+    std::copy(sc.acc.data() + j * dim, sc.acc.data() + (j + 1) * dim, batch.part_acc + dst * dim);
+    batch.part_max[dst] = sc.mx[j];
+    batch.part_sum[dst] = sc.sm[j];
+  }
+}
+
+// A group item of a pass of rows in lanes: from row0, at most `pass` of them, transposed and
+// pre-scaled into the lanes' qt.
+void attend_lane_item(const WorkItem& item, const GroupBatch& batch, int64_t pass,
+                      LaneScratch& sc) {
+  const Shape& s = batch.s;
+  const int64_t dim = s.dim;
+  const int64_t group_rows = static_cast<int64_t>(batch.groups[item.group].members.size()) * s.groups;
+  const int n = static_cast<int>(std::min(pass, group_rows - item.row0));
+  const LanePick pick = pick_lanes(n, s.wide);
+  const int rp = pick.width * pick.vectors;
+  const auto [b0, b1] = chunk_blocks(item, batch);
+  float* rows = sc.rows.data();   // [rp][dim], then transposed (8 x 8 tiles) into qt [dim][rp]
+  for (int j = 0; j < rp; ++j) {
+    if (j >= n) {
+      std::fill(rows + j * dim, rows + (j + 1) * dim, 0.0f);
+      continue;
+    }
+    const float* src = batch.row_of(item, item.row0 + j).second;
+    for (int64_t d = 0; d < dim; ++d) rows[j * dim + d] = src[d] * batch.scale;
+  }
+  transpose_tiles(rows, rp, dim, sc.qt.data());
+  pick.fn(batch.kc, batch.vc, batch.table + batch.groups[item.group].members[0] * s.max_blocks,
+          b0, b1, item.head, s, sc);
+  transpose_tiles(sc.ot.data(), dim, rp, rows);
+  for (int j = 0; j < n; ++j) {
+    const int64_t dst = batch.row_of(item, item.row0 + j).first;
+    std::copy(rows + j * dim, rows + (j + 1) * dim, batch.part_acc + dst * dim);
+    batch.part_max[dst] = sc.mx[j];
+    batch.part_sum[dst] = sc.sm[j];
+  }
+}
+
+// A request's own blocks, after its group's prefix if any: its last part.
+void attend_own_item(const WorkItem& item, const GroupBatch& batch, GroupScratch& sc) {
+  const Shape& s = batch.s;
+  const int64_t r = item.request, p = batch.first_part[r + 1] - 1, rows = s.heads;
+  const int64_t start = item.group >= 0 ? batch.groups[item.group].blocks * s.block_size : 0;
+  attend(batch.q + r * rows * s.dim, batch.kc, batch.vc, batch.table + r * s.max_blocks, start,
+         batch.lens[r], batch.scale, s, sc.q_buf.data(), sc.scores.data(),
+         batch.part_acc + p * rows * s.dim, batch.part_max + p * rows, batch.part_sum + p * rows);
+}
 
 // The batch when some requests share a prefix (find_shared_groups): every request's state is
 // kept in parts, one per chunk of its group's shared blocks plus one for its own blocks, then
@@ -97,76 +236,32 @@ struct WorkItem {
 void attend_with_groups(const std::vector<SharedGroup>& groups, const float* q, const float* kc,
                         const float* vc, const int64_t* table, const int64_t* lens, int64_t num,
                         float scale, const Shape& s, float* out) {
-  const int64_t rows = s.heads, dim = s.dim, bs = s.block_size;
+  const int64_t rows = s.heads, dim = s.dim;
   std::vector<int64_t> group_of(num, -1), first_part(num + 1, 0);
   for (size_t g = 0; g < groups.size(); ++g)
     for (int64_t r : groups[g].members) group_of[r] = static_cast<int64_t>(g);
   for (int64_t r = 0; r < num; ++r)
     first_part[r + 1] = first_part[r] + 1 + (group_of[r] >= 0 ? groups[group_of[r]].chunks() : 0);
-  std::vector<WorkItem> items;
-  int64_t max_rows = s.groups;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    max_rows = std::max<int64_t>(max_rows, groups[g].members.size() * s.groups);
-    for (int64_t h = 0; h < s.kv_heads; ++h)
-      for (int64_t c = 0; c < groups[g].chunks(); ++c)
-        items.push_back({static_cast<int64_t>(g), h, c, -1});
-  }
-  for (int64_t r = 0; r < num; ++r) items.push_back({group_of[r], 0, 0, r});
+  const int64_t pass = lane_pass_rows(s.wide);
+  const std::vector<WorkItem> items = group_items(groups, group_of, pass, s);
   const int64_t parts = first_part[num];
   std::vector<float> part_acc(parts * rows * dim), part_max(parts * rows), part_sum(parts * rows);
-  struct Scratch {
-    std::vector<float> q_buf, scores, kt, acc, mx, sm;
-  };
-  const auto make_scratch = [&] {
-    return Scratch{std::vector<float>(std::max(max_rows, rows) * dim),
-                   std::vector<float>(std::max(max_rows * step_keys(bs), rows * bs)),
-                   std::vector<float>(dim * step_keys(bs)),
-                   std::vector<float>(max_rows * dim), std::vector<float>(max_rows),
-                   std::vector<float>(max_rows)};
-  };
+  const GroupBatch batch{groups, q, kc, vc, table, lens, first_part, scale, s,
+                         part_acc.data(), part_max.data(), part_sum.data()};
   // one work item at a time from the shared counter (kernels/work_sharing.h)
-  tokenmill_parallel::parallel_chunks_with(static_cast<int64_t>(items.size()), 1, make_scratch,
-                                           [&](Scratch& scratch, int64_t begin, int64_t end) {
-    auto& [q_buf, scores, kt, acc, mx, sm] = scratch;
-    for (int64_t i = begin; i < end; ++i) {
-      const WorkItem& item = items[i];
-      if (item.request >= 0) {   // a request's own blocks, after its group's prefix if any
-        const int64_t r = item.request, p = first_part[r + 1] - 1;
-        const int64_t start = item.group >= 0 ? groups[item.group].blocks * bs : 0;
-        attend(q + r * rows * dim, kc, vc, table + r * s.max_blocks, start, lens[r], scale, s,
-               q_buf.data(), scores.data(), part_acc.data() + p * rows * dim,
-               part_max.data() + p * rows, part_sum.data() + p * rows);
-        continue;
-      }
-      const SharedGroup& group = groups[item.group];
-      const int64_t n_rows = group.members.size() * s.groups;
-      const int64_t b0 = item.chunk * kChunkBlocks;
-      const int64_t b1 = std::min(group.blocks, b0 + kChunkBlocks);
-      const int64_t* shared = table + group.members[0] * s.max_blocks;
-      const int first_step = static_cast<int>(std::min<int64_t>(step_blocks(bs), b1 - b0));
-      StepRows{kc, shared + b0, first_step, s, item.head}.prefetch(0, 1);   // while the
-      StepRows{vc, shared + b0, first_step, s, item.head}.prefetch(0, 1);   // queries gather
-      for (size_t m = 0; m < group.members.size(); ++m)   // pre-scaled rows of kv head `head`
-        for (int64_t g = 0; g < s.groups; ++g) {
-          const float* src = q + (group.members[m] * rows + item.head * s.groups + g) * dim;
-          float* dst = q_buf.data() + (m * s.groups + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * scale;
+  tokenmill_parallel::parallel_chunks_with(
+      static_cast<int64_t>(items.size()), 1, [&] { return GroupScratch(s, pass); },
+      [&](GroupScratch& scratch, int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const WorkItem& item = items[i];
+          if (item.request >= 0)
+            attend_own_item(item, batch, scratch);
+          else if (groups[item.group].members.size() * s.groups >= kMinLaneRows)
+            attend_lane_item(item, batch, pass, scratch.lanes);
+          else
+            attend_tile_item(item, batch, scratch);
         }
-      attend_rows(q_buf.data(), static_cast<int>(n_rows), kc, vc,
-                  table + group.members[0] * s.max_blocks, b0, b1, item.head, s, kWholeBlocks,
-                  nullptr, kt.data(), scores.data(), acc.data(), mx.data(), sm.data());
-      for (size_t m = 0; m < group.members.size(); ++m) {
-        const int64_t p = first_part[group.members[m]] + item.chunk;
-        for (int64_t g = 0; g < s.groups; ++g) {
-          const int64_t row = m * s.groups + g, dst = p * rows + item.head * s.groups + g;
-          std::copy(acc.data() + row * dim, acc.data() + (row + 1) * dim,
-                    part_acc.data() + dst * dim);
-          part_max[dst] = mx[row];
-          part_sum[dst] = sm[row];
-        }
-      }
-    }
-  });
+      });
   for (int64_t r = 0; r < num; ++r) {
     const int64_t p = first_part[r];
     merge_parts(part_acc.data() + p * rows * dim, part_max.data() + p * rows,

@@ -51,10 +51,10 @@ struct RowCursor {
   }
 };
 
-// The vector operations of rank1_tile, 8 lanes (AVX2) or 16 (AVX-512). Each load and
-// broadcast is pinned to one instruction (the empty asm): else GCC folded the loads into every
-// FMA (the load ports, not the FMAs, became the limit) or hoisted all the broadcasts of a step
-// and spilled accumulators.
+// The vector operations of rank1_tile (and of paged_shared_lanes.h), 8 lanes (AVX2) or 16
+// (AVX-512). Each load and broadcast is pinned to one instruction (the empty asm): else GCC
+// folded the loads into every FMA (the load ports, not the FMAs, became the limit) or hoisted
+// all the broadcasts of a step and spilled accumulators.
 struct Lanes8 {
   using Vec = __m256;
   static constexpr int kWidth = 8;
@@ -68,6 +68,11 @@ struct Lanes8 {
   static Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  static Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+  static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+  static Vec exp(Vec a) { return exp_ps(a); }
 };
 
 // c[r][0 .. NV * width) = (accumulate ? c[r] : 0) + sum_{k < n} a[r * lda + k] * b row k, for
@@ -128,6 +133,11 @@ struct Lanes16 {
   }
   static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  static Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+  static Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+  static Vec exp(Vec a) { return tokenmill_avx2::exp_ps16(a); }   // bitwise exp_ps per lane
 };
 
 template <int R, int NV>

@@ -216,23 +216,6 @@ struct MinTerms {
   const float* mins;   // [blocks, n]
 };
 
-// The m terms of y rows [row0, row0 + live) x columns [col0, col0 + 16 kColTiles) into acc
-// (16 rows; those from `live` zero). Computed here, not by a GEMM before: at::mm took more
-// time than the tiles' products in 16-row decode steps, mostly in its threads' start and wait.
-template <int kColTiles>
-inline void start_from_min_terms(const MinTerms& m, int64_t blocks, int64_t row0, int64_t live,
-                                 int64_t col0, int64_t n, float (*acc)[kColTiles * kCols]) {
-  for (int64_t r = 0; r < kRows; ++r)
-    for (int j = 0; j < kColTiles; ++j) {
-      __m512 sum = _mm512_setzero_ps();
-      const float* s = m.sums + (row0 + r) * blocks;
-      for (int64_t b = 0; m.sums != nullptr && r < live && b < blocks; ++b)
-        sum = _mm512_fmadd_ps(_mm512_set1_ps(s[b]),
-                              _mm512_loadu_ps(m.mins + b * n + col0 + j * kCols), sum);
-      _mm512_store_ps(&acc[r][j * kCols], sum);
-    }
-}
-
 // Q4_1 levels four bits each, in the tiles' VNNI order: byte j of a tile row i holds the levels
 // of column j at k = 2i (low nibble) and 2i + 1 (high), so a tile is 256 bytes, not 1 KB.
 // A tile of levels from its nibbles, as bf16 (16 rows of 32), into `out`: each byte widened to
@@ -273,10 +256,16 @@ struct FourBitLevels {
 };
 
 // The factored form of row_block: y rows [row0, row0 + 16) x columns [col0, col0 + 16
-// kColTiles) = the m terms + sum over blocks of d (x . q). Per block: x.hi, x.mid and x.lo
-// (tiles 3 and 7 in turn) against the column tiles' levels (4-6) into accumulators 0-2, zeroed
-// a block; they are stored to one of two scratch buffers, and the block before is scaled into
-// `acc` meanwhile.
+// kColTiles) = sum over blocks of d (x . q) + the block's m terms. Per block: x.hi, x.mid and
+// x.lo (tiles 3 and 7 in turn) against the column tiles' levels (4-6) into accumulators 0-2,
+// zeroed a block; they are stored to one of two scratch buffers, and the block before is
+// scaled into `acc` meanwhile, its m terms (the rows' block sums times the minimums) with it.
+// The m terms used to come first, all blocks of a row and column tile in one dependent chain
+// of FMAs (a quarter of the kernel's samples at 768 rows); here they ride in the readout's
+// shadow. SmolLM2's four layer GEMMs, the two kernels called in turn (medians of 30, 2-core
+// Xeon): 12-16 rows 1.03-1.05x, 32-48 1.07-1.08x, 128-256 1.09-1.12x, 768 0.99x (where the
+// tile loads and products set the pace); the Q8_0 lm_head (no m terms) 0.98-1.01x. The sums
+// are as accurate (about half the distance from float64 in that run), not bitwise the same.
 template <int kColTiles, typename Levels>
 void factored_row_block(const uint16_t* xs, Levels& levels, const float* steps,
                         const MinTerms& min_terms, int64_t blocks, int64_t row0, int64_t rows,
@@ -285,17 +274,28 @@ void factored_row_block(const uint16_t* xs, Levels& levels, const float* steps,
   alignas(64) float acc[kRows][kWidth];
   alignas(64) float products[2][kRows][kWidth];
   const int64_t live = std::min(kRows, rows - row0);
-  start_from_min_terms<kColTiles>(min_terms, blocks, row0, live, col0, n, acc);
+  std::memset(acc, 0, sizeof acc);
   const uint16_t* a = xs + (row0 / kRows) * blocks * kXTerms * kTile;
   const float* d0 = steps + (col0 / kCols) * blocks * kCols;
+  const float* sums = min_terms.sums != nullptr ? min_terms.sums + row0 * blocks : nullptr;
   auto scale_in = [&](int64_t b, float (*block)[kWidth]) {
 #pragma GCC unroll 3
     for (int j = 0; j < kColTiles; ++j) {
       const __m512 d = _mm512_loadu_ps(d0 + (j * blocks + b) * kCols);
-      for (int64_t r = 0; r < live; ++r)
+      if (sums == nullptr) {
+        for (int64_t r = 0; r < live; ++r)
+          _mm512_store_ps(&acc[r][j * kCols],
+                          _mm512_fmadd_ps(d, _mm512_load_ps(&block[r][j * kCols]),
+                                          _mm512_load_ps(&acc[r][j * kCols])));
+        continue;
+      }
+      const __m512 m = _mm512_loadu_ps(min_terms.mins + b * n + col0 + j * kCols);
+      for (int64_t r = 0; r < live; ++r) {
+        const __m512 with_min = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * blocks + b]), m,
+                                                _mm512_load_ps(&acc[r][j * kCols]));
         _mm512_store_ps(&acc[r][j * kCols],
-                        _mm512_fmadd_ps(d, _mm512_load_ps(&block[r][j * kCols]),
-                                        _mm512_load_ps(&acc[r][j * kCols])));
+                        _mm512_fmadd_ps(d, _mm512_load_ps(&block[r][j * kCols]), with_min));
+      }
     }
   };
   for (int64_t b = 0; b < blocks; ++b) {

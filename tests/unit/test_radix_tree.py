@@ -3,6 +3,8 @@ property test against a plain dict model of the cached block prefixes."""
 
 from __future__ import annotations
 
+import heapq
+
 from collections import Counter
 
 from hypothesis import settings
@@ -315,7 +317,9 @@ class RadixTreeMachine(RuleBasedStateMachine):
     def evict(self, num: int) -> None:
         locked = self._locked_keys()
         evictable = {key for key in self.cached if key not in locked} | set(self.tails)
+        expected = lru_by_walking(self.tree, num)
         freed = self.tree.evict(num)
+        assert freed == expected, "not the least recently used leaves, in order"
         assert len(set(freed)) == len(freed)
         by_block = {block: key for key, block in (*self.cached.items(), *self.tails.items())}
         freed_keys = {by_block[block] for block in freed}
@@ -340,6 +344,24 @@ class RadixTreeMachine(RuleBasedStateMachine):
         locked = self._locked_keys()
         assert locked <= set(self.cached)
         assert self.tree.num_evictable_blocks == len(set(self.cached) - locked) + len(self.tails)
+
+
+def lru_by_walking(tree: RadixTree, num_blocks: int) -> list[int]:
+    """The blocks evict(num_blocks) must free, found by walking the whole tree: unlocked
+    leaves least recently used first, a parent joining once its last child or tail is gone."""
+    nodes = list(tree._nodes())
+    left = {id(n): len(n.children) + len(n.tails) for n in nodes}
+    heap = [(n.last_access, id(n), n) for n in nodes if left[id(n)] == 0 and n.lock_count == 0]
+    heapq.heapify(heap)
+    freed: list[int] = []
+    while heap and len(freed) < num_blocks:
+        _, _, node = heapq.heappop(heap)
+        freed.extend(node.block_ids)
+        parent = node.parent
+        left[id(parent)] = left.get(id(parent), 0) - 1
+        if not parent.is_root and left[id(parent)] == 0 and parent.lock_count == 0:
+            heapq.heappush(heap, (parent.last_access, id(parent), parent))
+    return freed
 
 
 RadixTreeMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,

@@ -90,10 +90,11 @@ std::vector<SharedGroup> find_shared_groups(const int64_t* table, const int64_t*
 #ifdef __AVX2__
 // Groups of fewer rows (requests x query heads of a kv head) take the row tiles over
 // transposed keys (attend_rows), more the rows in lanes (paged_shared_lanes.h): with few rows
-// the lanes are mostly padding or the broadcasts cost as much as the FMAs. 16 x 1,056-token
-// contexts over a 1,024-token prefix, 30 layers, SmolLM2's shapes (3 query heads a kv head),
-// alternating calls (2-core Xeon): 2 requests 0.81x in lanes, 3 0.94x, 4 1.03x, 8 1.07x, 16
-// 1.19-1.26x the tiles' speed. The choice depends on the rows only, not the lane width.
+// the lanes are mostly padding or the broadcasts cost as much as the FMAs. Requests of
+// 1,025-1,109 tokens over a 1,024-token prefix, 30 layers, SmolLM2's shapes (3 query heads a
+// kv head), alternating calls (2-core Xeon), lanes against tiles: 2 requests 0.81x, 3 0.94x,
+// 4 1.03-1.07x, 8 1.06-1.07x, 16 1.19-1.26x. The choice depends on the rows only, not the
+// lane width.
 constexpr int64_t kMinLaneRows = 12;
 
 // One unit of work of attend_with_groups: a pass of rows (from row0 of the group's members x

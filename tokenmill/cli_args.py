@@ -19,7 +19,8 @@ def _add_field(group, field: dataclasses.Field, help_text: str | None = None,
     flag = "--" + field.name.replace("_", "-")
     type_name = str(field.type).replace(" | None", "").replace("Optional[", "").rstrip("]")
     value = field.default if default is dataclasses.MISSING else default
-    help_text = help_text or field.metadata.get("help", "")
+    # argparse %-formats help text (%(default)s); the config's prose may say "27%".
+    help_text = (help_text or field.metadata.get("help", "")).replace("%", "%%")
     if type_name == "bool":
         group.add_argument(flag, action=argparse.BooleanOptionalAction, default=value,
                            help=help_text)

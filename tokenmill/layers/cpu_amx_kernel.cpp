@@ -350,16 +350,45 @@ void for_each_tile(int64_t rows, int64_t k, int64_t col_tiles, const Fn& fn) {
       });
 }
 
-// Every group of up to three column tiles of y [rows <= 16, 16 col_tiles]: fn(col0, column
-// tiles), the tiles configured for `rows`.
+// A step of at most 16 rows as one thread's tiles read it: x split into its bf16 terms and the
+// rows' block sums (for Q4_1's minimums), made by that thread. Split once by the calling
+// thread, the terms (1.5x x's bytes, fresh in that core's cache) crossed to the other core at
+// every linear: on the 2-core VM an OpenMP region whose second thread reads 96 KB the first
+// has just written takes 21.6 us, 3.2 us when the data stays put. Now each thread reads x (half
+// of it written by the other core) and splits it itself. Real 16-request decode steps over a
+// 1,056-token context, the old and new kernels in turn in one process (paired medians of 93
+// steps): 16 rows 1.032x and 1.036x, 12 rows 1.038x; 0.98-1.03x in a slow, noisy hour.
+struct ShortStep {
+  TileSession session;
+  const uint16_t* xs;
+  const float* sums;   // null without minimums
+  ShortStep(const float* x, int64_t rows, int64_t k, bool with_sums) : session(rows) {
+    thread_local std::vector<uint16_t> split;
+    thread_local std::vector<float> block_sum;
+    split.resize(k / kSteps * kXTerms * kTile);
+    split_rows(x, rows, k, split.data());   // runs on this thread: inside a parallel region
+    xs = split.data();
+    sums = nullptr;
+    if (with_sums) {
+      block_sum.resize(rows * (k / kSteps));
+      block_sums(x, rows, k, block_sum.data());
+      sums = block_sum.data();
+    }
+  }
+};
+
+// Every group of up to three column tiles of y [rows <= 16, 16 col_tiles] = x [rows, k] @ W^T:
+// fn(step, col0, column tiles), the tiles configured for `rows`.
 template <typename Fn>
-void for_each_short_tile(int64_t rows, int64_t col_tiles, const Fn& fn) {
+void for_each_short_tile(const float* x, int64_t rows, int64_t k, bool with_sums,
+                         int64_t col_tiles, const Fn& fn) {
   const int64_t col_groups = (col_tiles + kColGroup - 1) / kColGroup;
   tokenmill_parallel::parallel_chunks_with(
-      col_groups, 1, [rows] { return std::make_unique<TileSession>(rows); },
-      [&](const std::unique_ptr<TileSession>&, int64_t item, int64_t) {
+      col_groups, 1,
+      [&] { return std::make_unique<ShortStep>(x, rows, k, with_sums); },
+      [&](const std::unique_ptr<ShortStep>& step, int64_t item, int64_t) {
         const int64_t first_col = item * kColGroup;
-        fn(first_col * kCols, std::min(kColGroup, col_tiles - first_col));
+        fn(*step, first_col * kCols, std::min(kColGroup, col_tiles - first_col));
       });
 }
 
@@ -552,23 +581,34 @@ void amx_linear_factored_into(const float* x, int64_t rows, int64_t k, const tor
   TORCH_CHECK(amx_available(), "amx_linear_factored: this process may not use the AMX tiles");
   const int64_t blocks = k / amx::kSteps, col_tiles = levels.size(0), n = col_tiles * amx::kCols;
   if (rows == 0) return;
-  auto sums = torch::empty({mins.numel() ? rows : 0, blocks}, torch::kFloat32);
+  const float* dp = steps.data_ptr<float>();
+  const float* mp = mins.numel() ? mins.data_ptr<float>() : nullptr;
+  if (rows <= amx::kRows) {
+    auto each_item = [&](auto levels_at) {
+      amx::for_each_short_tile(
+          x, rows, k, mp != nullptr, col_tiles,
+          [&](const amx::ShortStep& step, int64_t col0, int64_t cols) {
+            amx::factored_item(step.xs, levels_at(col0 / amx::kCols), dp,
+                               amx::MinTerms{step.sums, mp}, blocks, 0, rows, col0, cols, y, n);
+          });
+    };
+    if (levels.scalar_type() == torch::kUInt8) {
+      const uint8_t* np = levels.data_ptr<uint8_t>();
+      const int64_t stride = blocks * amx::kNibbleTile;
+      return each_item([&](int64_t tile) { return amx::FourBitLevels{np + tile * stride, stride}; });
+    }
+    const auto* lp = reinterpret_cast<const uint16_t*>(levels.data_ptr());
+    const int64_t stride = blocks * amx::kTile;
+    return each_item([&](int64_t tile) { return amx::Bf16Levels{lp + tile * stride, stride}; });
+  }
+  auto sums = torch::empty({mp != nullptr ? rows : 0, blocks}, torch::kFloat32);
   amx::MinTerms min_terms{nullptr, nullptr};
-  if (mins.numel()) {
+  if (mp != nullptr) {
     amx::block_sums(x, rows, k, sums.data_ptr<float>());
-    min_terms = {sums.data_ptr<float>(), mins.data_ptr<float>()};
+    min_terms = {sums.data_ptr<float>(), mp};
   }
   auto xs = amx::split_input(x, rows, k);
   const auto* xsp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
-  const float* dp = steps.data_ptr<float>();
-  if (levels.scalar_type() == torch::kUInt8) {
-    const uint8_t* np = levels.data_ptr<uint8_t>();
-    const int64_t stride = blocks * amx::kNibbleTile;
-    return amx::for_each_short_tile(rows, col_tiles, [&](int64_t col0, int64_t cols) {
-      amx::factored_item(xsp, amx::FourBitLevels{np + col0 / amx::kCols * stride, stride}, dp,
-                         min_terms, blocks, 0, rows, col0, cols, y, n);
-    });
-  }
   const auto* lp = reinterpret_cast<const uint16_t*>(levels.data_ptr());
   const int64_t stride = blocks * amx::kTile;
   amx::for_each_tile(rows, k, col_tiles, [&](int64_t row0, int64_t col0, int64_t cols) {

@@ -366,7 +366,7 @@ struct ShortStep {
     thread_local std::vector<uint16_t> split;
     thread_local std::vector<float> block_sum;
     split.resize(k / kSteps * kXTerms * kTile);
-    split_rows(x, rows, k, split.data());   // runs on this thread: inside a parallel region
+    split_rows(x, rows, k, split.data());   // one row tile: serial, on this thread
     xs = split.data();
     sums = nullptr;
     if (with_sums) {

@@ -316,13 +316,15 @@ void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, i
 // streamed from memory, medians of 25 alternating (2-core Xeon): M = 1: 4.13 -> 3.17 ms;
 // M = 2: 5.20 -> 4.02; M = 4: 5.62 -> 4.83; M = 6: 8.13 -> 7.25. Whole decode steps offline
 // (`LLM.generate`, alternating, medians): 1 row 10.11 -> 8.93 ms, 6 rows 19.27 -> 18.24.
-// Prefetching blocks ahead measured no faster. A step's levels are a shift of their group and
-// a table lookup (gemv_blocks.h), two instructions where unpacking bytes and converting them
-// took three and a store and reload: the same 120 linears with their weights in L2 (four
-// linears thirty times), medians of 25 alternating, M = 1: 2.56 -> 2.17 ms; M = 2: 3.16 ->
-// 2.73; M = 4: 4.51 -> 3.85; M = 6: 5.76 -> 5.51 (rebuilt at M = 8: 7.86 -> 7.64), the same
-// outputs bit for bit. Streamed from memory they measured even in a busy hour (M = 1: 4.70
-// against 4.71 ms): the stream bounds them there, as it now does the kernel in a quiet one.
+// Prefetching blocks ahead measured no faster then, on the linears alone; in whole decode
+// steps, beside the lm_head and the attention, it pays (block_steps_asking). A step's levels
+// are a shift of their group and a table lookup (gemv_blocks.h), two instructions where
+// unpacking bytes and converting them took three and a store and reload: the same 120
+// linears with their weights in L2 (four linears thirty times), medians of 25 alternating,
+// M = 1: 2.56 -> 2.17 ms; M = 2: 3.16 -> 2.73; M = 4: 4.51 -> 3.85; M = 6: 5.76 -> 5.51
+// (rebuilt at M = 8: 7.86 -> 7.64), the same outputs bit for bit. Streamed from memory they
+// measured even in a busy hour (M = 1: 4.70 against 4.71 ms): the stream bounds them there,
+// as it now does the kernel in a quiet one.
 //
 // Q8_0 (w = d q: the default model's lm_head) takes the same tiles without the m term: a
 // widening and a conversion a step and panel, one FMA a block, where rebuilding took a

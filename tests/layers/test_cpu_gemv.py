@@ -4,6 +4,8 @@ to oneDNN."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -193,6 +195,7 @@ def test_compact_panels_give_bitwise_the_fp32_panels_output(fmt, rows, blocks, p
 
 
 FACTORED = load_kernel() is not None and load_kernel().gemv_use_factored(True)
+AVX512_TILES = load_kernel() is not None and load_kernel().gemv_use_avx512(True)
 
 
 def factored_parts(fmt: str, gen: torch.Generator, out_features: int,
@@ -207,27 +210,40 @@ def factored_parts(fmt: str, gen: torch.Generator, out_features: int,
     return weight.reshape(out_features, in_features), magnitude.reshape(out_features, in_features)
 
 
-@pytest.mark.skipif(not FACTORED, reason="the kernel was built without AVX-512 here")
+ROUTES = {"default": nullcontext, "avx2": lambda: avx2_tiles(load_kernel().gemv_use_avx512)}
+
+
+@pytest.mark.skipif(not FACTORED, reason="the kernel was built without AVX2 here")
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 7), blocks=st.integers(1, 48), panels=st.integers(1, 9),
        seed=st.integers(0, 2**16))
-@example(rows=1, blocks=48, panels=9, seed=0)    # four panels side by side, then one
-@example(rows=6, blocks=3, panels=3, seed=1)     # the largest factored step
-def test_factored_form_is_within_the_rounding_bound_and_batch_invariant(fmt, rows, blocks,
-                                                                       panels, seed):
-    # Up to 6 rows, y = sum over blocks of d (q . x) (+ m sum(x), Q4_1). Each output must be
-    # within the rounding bound of a dot product of that length (k + 2 blocks + 2 roundings of
-    # the terms' magnitudes) of the exact result, whatever the weights' offsets m: a lost or
-    # misplaced m term, scale or block is far outside it. A row's result must not depend on
-    # the rows beside it; 7 rows hand over to the rebuilt weights (bitwise the fp32 panels).
+@example(rows=1, blocks=48, panels=9, seed=0)    # panels side by side, then one
+@example(rows=2, blocks=3, panels=4, seed=2)     # the AVX2 route's first rebuilt step
+@example(rows=6, blocks=3, panels=3, seed=1)     # the AVX-512 route's largest factored step
+def test_factored_form_is_within_the_rounding_bound_and_batch_invariant(route, fmt, rows,
+                                                                       blocks, panels, seed):
+    # Short steps (up to 6 rows on the AVX-512 route, one on the AVX2 route), y = sum over
+    # blocks of d (q . x) (+ m sum(x), Q4_1). Each output must be within the rounding bound of
+    # a dot product of that length (k + 2 blocks + 2 roundings of the terms' magnitudes) of the
+    # exact result, whatever the weights' offsets m: a lost or misplaced m term, scale or block
+    # is far outside it. A row's result must not depend on the rows beside it; longer steps
+    # hand over to the rebuilt weights (bitwise the fp32 panels). The AVX2 route's one row is
+    # bitwise the AVX-512 route's (each lane the same operations in the same order).
     gen = torch.Generator().manual_seed(seed)
     kernel = load_kernel()
     weight, magnitudes = factored_parts(fmt, gen, panels * 16, blocks * 32)
     compact = getattr(kernel, FORMATS[fmt][1])(weight)
     x = torch.randn(rows, blocks * 32, generator=gen)
-    got = kernel.gemv_linear(x, compact)
-    if rows > 6:
+    with ROUTES[route]():
+        factored_rows = kernel.gemv_factored_max_rows()
+        got = kernel.gemv_linear(x, compact)
+        alone = [kernel.gemv_linear(x[row:row + 1].contiguous(), compact) for row in range(rows)]
+    assert factored_rows >= 1
+    if rows == 1 and route == "avx2" and AVX512_TILES:
+        assert torch.equal(got, kernel.gemv_linear(x, compact))
+    if rows > factored_rows:
         assert torch.equal(got, kernel.gemv_linear(x, kernel.pack_gemv_weight(weight)))
         return
     exact = x.double() @ weight.double().T
@@ -235,8 +251,7 @@ def test_factored_form_is_within_the_rounding_bound_and_batch_invariant(fmt, row
     bound = (blocks * 32 + 2 * blocks + 2) * 2.0 ** -24 * magnitude
     assert ((got.double() - exact).abs() <= bound).all()
     for row in range(rows):
-        assert torch.equal(kernel.gemv_linear(x[row:row + 1].contiguous(), compact),
-                           got[row:row + 1]), row
+        assert torch.equal(alone[row], got[row:row + 1]), row
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a race needs two threads")
@@ -320,9 +335,6 @@ def test_hybrid_linear_takes_compact_panels_for_short_steps_only():
         torch.testing.assert_close(layers[True](x), F.linear(x, weight), rtol=1e-4, atol=1e-4)
         with switched_off(load_kernel().gemv_use_factored):   # rebuilt weights: the same bits
             assert torch.equal(layers[True](x), layers[False](x)), rows
-
-
-AVX512_TILES = load_kernel() is not None and load_kernel().gemv_use_avx512(True)
 
 
 @pytest.mark.skipif(not AVX512_TILES, reason="the kernel was built without AVX-512 here")

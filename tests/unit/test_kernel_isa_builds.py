@@ -49,6 +49,14 @@ def test_kernels_build_and_agree_without_avx512(isa, builds):
     weight, x = torch.randn(64, 96, generator=gen), torch.randn(20, 96, generator=gen)
     expected = native_gemv.gemv_linear(x, native_gemv.pack_gemv_weight(weight))
     torch.testing.assert_close(gemv.gemv_linear(x, gemv.pack_gemv_weight(weight)), expected)
+    if isa == "avx2":   # one row of Q4_1 panels in the factored form: each build its own layout
+        d = torch.rand(64, 3, 1, generator=gen).half().float() / 64
+        q = torch.randint(0, 16, (64, 3, 32), generator=gen).float()
+        q[..., 0], q[..., 1] = 0, 15   # a GGUF block's levels span 0..15
+        q4 = (d * q + (-8 * d).half().float()).reshape(64, 96)
+        row = x[:1].contiguous()
+        assert torch.equal(gemv.gemv_linear(row, gemv.pack_gemv_q4(q4)),
+                           native_gemv.gemv_linear(row, native_gemv.pack_gemv_q4(q4)))
 
     attention, native = builds[cpu_paged.KERNEL.prefix, isa], cpu_paged.load_kernel()
     assert attention is not None and not attention.paged_attention_has_avx512()

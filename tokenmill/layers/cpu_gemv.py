@@ -3,9 +3,10 @@
 Weights that are exactly Q4_1 or Q8_0 values (as a GGUF model of those types loads) can also
 stream as compact panels, which the kernel rebuilds as the same fp32 values: bitwise the same
 output for a sixth (Q4_1) or 27% (Q8_0) of the bytes (their blocks' scales in fp16, as GGUF
-keeps them). Where the build has AVX-512, steps of up to 6 rows take the factored form instead
-(d (q . x) + m sum(x) a block, Q8_0 without m; no weight rebuilt; gemv_avx512.h): as
-accurate, not bitwise; `gemv_use_factored(False)` switches it off.
+keeps them). Short steps take the factored form instead (d (q . x) + m sum(x) a block, Q8_0
+without m; no weight rebuilt): up to 6 rows where the build has AVX-512 (gemv_avx512.h), one
+row on the AVX2 tiles; as accurate, not bitwise; `gemv_use_factored(False)` switches it off
+(`gemv_factored_max_rows()` tells the route's limit).
 
 SmolLM2's 120 layer GEMMs (distinct weights, so they stream from memory), best of several
 runs, oneDNN's packed GEMM -> this kernel: M = 1: 20 -> 14 ms (memory bandwidth); M = 8:
@@ -69,7 +70,8 @@ ROW_GROUPS = Path(__file__).with_name("gemv_rows.h")       # shared by both tile
 AVX512_TILES = Path(__file__).with_name("gemv_avx512.h")
 KERNEL = CpuExtension("tokenmill_cpu_gemv", Path(__file__).with_name("cpu_gemv_kernel.cpp"),
                       ["pack_gemv_weight", "pack_gemv_q4", "pack_gemv_q8", "gemv_linear",
-                       "gemv_use_avx512", "gemv_use_factored", "entry_points"], "cpu_gemv linear kernel",
+                       "gemv_use_avx512", "gemv_use_factored", "gemv_factored_max_rows",
+                       "entry_points"], "cpu_gemv linear kernel",
                       "oneDNN at every batch size",
                       headers=(ENTRY_POINTS, WORK_SHARING, BLOCK_FORMATS, ROW_GROUPS,
                                AVX512_TILES))

@@ -15,11 +15,13 @@
 //
 // Compact panels (layers/gemv_blocks.h): weights that are exactly GGUF Q4_1 or Q8_0 values
 // also stream in their blocks, a fifth or a quarter of the bytes, and are rebuilt in
-// registers as the same fp32 numbers; the output is bitwise that of the fp32 panels. Where
-// the build has AVX-512, steps of up to 6 rows take Q4_1 panels in the factored form
-// instead (gemv_avx512.h): fewer operations a weight, as accurate, not bitwise.
+// registers as the same fp32 numbers; the output is bitwise that of the fp32 panels. Short
+// steps take them in the factored form instead (fewer operations a weight, as accurate, not
+// bitwise): up to 6 rows where the build has AVX-512 (gemv_avx512.h), one row on the AVX2
+// tiles (factored_row).
 #include <algorithm>
 #include <atomic>
+#include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -230,6 +232,93 @@ static void block_row_group(int64_t m, const float* x, int64_t k_total, const ui
   with_rows(m, [&]<int R>() { block_row_group<F, R>(x, k_total, panels, count, y, ldy); });
 }
 
+// ---- One row of compact panels in the factored form (as gemv_avx512.h's factored_tile) ----
+// y = sum over blocks of d (q . x) + m sum(x) (Q8_0: no m term): the levels convert to floats
+// and meet x directly, and each block's scales come in once, where block_tile rebuilds every
+// weight (a multiply and an add a step and panel more). Each lane does what the AVX-512 tile
+// does for its column, in the same order, and the block sums are added as
+// _mm512_reduce_add_ps adds them, so both builds give the same bits. One row only: the
+// decode of a lone request, where the rebuild bound the AVX2 tiles (SmolLM2's 120 layer
+// linears, AVX2 builds of both called in turn on this 2-core Xeon: 1.17-1.22x).
+// (More rows would need more registers than AVX2's 16.)
+
+// x[0, 32) summed as gemv_avx512.h's factored_linear sums it (_mm512_reduce_add_ps of x[0, 16)
+// + x[16, 32): halves, then quarters, then pairs).
+inline float block_sum(const float* x) {
+  const __m256 lo = _mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 16));
+  const __m256 hi = _mm256_add_ps(_mm256_loadu_ps(x + 8), _mm256_loadu_ps(x + 24));
+  const __m256 eight = _mm256_add_ps(hi, lo);
+  const __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
+  const __m128 two = _mm_add_ps(four, _mm_shuffle_ps(four, four, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(_mm_add_ps(two, _mm_shuffle_ps(two, two, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+// Panels side by side for one row: 4 P accumulators, two levels and a broadcast in 16.
+constexpr int kFactoredSide = 3;
+
+// y[16 P] = x[k_len] @ P compact panels of format F, factored; sums[b]: x's sum over block b.
+template <typename F, int P>
+static void factored_row_tile(const float* x, const float* sums, int64_t blocks,
+                              const uint8_t* panel, int64_t panel_stride, float* y) {
+  __m256 lo[P], hi[P];
+#pragma GCC unroll 4
+  for (int p = 0; p < P; ++p) lo[p] = hi[p] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = panel + b * F::kBlockBytes;
+    __m256 part_lo[P], part_hi[P];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) part_lo[p] = part_hi[p] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int64_t kk = 0; kk < gemv_blocks::kSteps; ++kk) {
+      const __m256 xv = _mm256_broadcast_ss(x + b * gemv_blocks::kSteps + kk);
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) {
+        __m256 level_lo, level_hi;
+        F::levels8(block + p * panel_stride, kk, level_lo, level_hi);
+        part_lo[p] = _mm256_fmadd_ps(xv, level_lo, part_lo[p]);
+        part_hi[p] = _mm256_fmadd_ps(xv, level_hi, part_hi[p]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* scales = block + p * panel_stride;
+      lo[p] = _mm256_fmadd_ps(part_lo[p], F::scale8(scales, 0, 0), lo[p]);
+      hi[p] = _mm256_fmadd_ps(part_hi[p], F::scale8(scales, 0, 1), hi[p]);
+      if constexpr (F::kHasMins) {
+        const __m256 sum = _mm256_set1_ps(sums[b]);
+        lo[p] = _mm256_fmadd_ps(sum, F::scale8(scales, 1, 0), lo[p]);
+        hi[p] = _mm256_fmadd_ps(sum, F::scale8(scales, 1, 1), hi[p]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int p = 0; p < P; ++p) {
+    _mm256_storeu_ps(y + p * kPanel, lo[p]);
+    _mm256_storeu_ps(y + p * kPanel + 8, hi[p]);
+  }
+}
+
+// y[16 panels] = x[k_len] @ compact panels of format F, one row, factored.
+template <typename F>
+static void factored_row(const float* x, int64_t k_len, const uint8_t* wp, int64_t panels,
+                         float* y) {
+  const int64_t blocks = k_len / gemv_blocks::kSteps;
+  thread_local std::vector<float> kept;   // the caller's; the threads read it by pointer
+  kept.resize(blocks);
+  float* sums = kept.data();
+  for (int64_t b = 0; b < blocks; ++b) sums[b] = block_sum(x + b * gemv_blocks::kSteps);
+  const int64_t stride = blocks * F::kBlockBytes;
+  const int64_t chunk = tokenmill_parallel::chunk_for(panels, kFactoredSide);
+  tokenmill_parallel::parallel_chunks(panels, chunk, [&](int64_t begin, int64_t end) {
+    int64_t p = begin;
+    for (; p + kFactoredSide <= end; p += kFactoredSide)
+      factored_row_tile<F, kFactoredSide>(x, sums, blocks, wp + p * stride, stride,
+                                          y + p * kPanel);
+    for (; p < end; ++p)
+      factored_row_tile<F, 1>(x, sums, blocks, wp + p * stride, stride, y + p * kPanel);
+  });
+}
+
 // m rows (kMaxRows < m <= kHalfMaxRows) against `count` compact panels in half-panel tiles.
 template <typename F>
 static void block_half_panels(int64_t m, const float* x, int64_t k_len, const uint8_t* panels,
@@ -317,13 +406,28 @@ bool gemv_use_avx512(bool on) {
   return use_avx512;
 }
 
-// Whether the AVX-512 route takes compact panels in the factored form for up to 6 rows
-// (gemv_avx512.h) rather than rebuilding the fp32 weights; tests switch it off to compare.
-static std::atomic<bool> use_factored{gemv_avx512::kAvailable};
+// Whether compact panels take the factored form rather than rebuilding the fp32 weights: the
+// AVX-512 route for up to 6 rows (gemv_avx512.h), the AVX2 one for one row (factored_row);
+// tests switch it off to compare.
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kFactoredAvailable = true;
+#else
+constexpr bool kFactoredAvailable = false;
+#endif
+static std::atomic<bool> use_factored{kFactoredAvailable};
 
 bool gemv_use_factored(bool on) {
-  use_factored = on && gemv_avx512::kAvailable;
+  use_factored = on && kFactoredAvailable;
   return use_factored;
+}
+
+// The longest step the route in use takes in the factored form (0: none), for tests.
+int64_t gemv_factored_max_rows() {
+  if (!use_factored) return 0;
+#if defined(__AVX512F__)
+  if (use_avx512) return gemv_avx512::kFactoredMaxRows;
+#endif
+  return 1;
 }
 
 #if defined(__AVX512F__)
@@ -372,6 +476,11 @@ void gemv_into(const float* xp, int64_t m, int64_t k_len, const torch::Tensor& p
   if (use_avx512) return avx512_linear(m, xp, k_len, packed, yp, n);
   if (kind == torch::kUInt8 || kind == torch::kInt8) {
     const auto* wp = static_cast<const uint8_t*>(packed.data_ptr());
+#if defined(__AVX2__) && defined(__FMA__)
+    if (use_factored && m == 1)
+      return kind == torch::kUInt8 ? factored_row<gemv_blocks::Q4_1>(xp, k_len, wp, panels, yp)
+                                   : factored_row<gemv_blocks::Q8_0>(xp, k_len, wp, panels, yp);
+#endif
     if (kind == torch::kUInt8)
       block_gemv<gemv_blocks::Q4_1>(m, xp, k_len, wp, panels, yp, n);
     else

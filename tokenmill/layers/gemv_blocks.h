@@ -121,8 +121,13 @@ struct Q4_1 {
         reinterpret_cast<const __m128i*>(block + which * kCols * 2 + half * 16)));
   }
 
-  // The 16 weights of step kk (columns 0-7 in lo, 8-15 in hi).
-  static inline void expand(const uint8_t* block, int64_t kk, __m256& lo, __m256& hi) {
+  // d (which 0) or m (1) of columns [8 half, 8 half + 8), for the factored form's tiles.
+  static inline __m256 scale8(const uint8_t* block, int which, int half) {
+    return scales8(block, which, half);
+  }
+
+  // Step kk's 16 levels as floats (columns 0-7 in lo, 8-15 in hi).
+  static inline void levels8(const uint8_t* block, int64_t kk, __m256& lo, __m256& hi) {
     const __m256i low = _mm256_set1_epi32(15);
     __m256i lo_levels, hi_levels;
     if constexpr (kColumnWords) {   // AVX2 tiles in an AVX-512 build: tests only
@@ -136,16 +141,24 @@ struct Q4_1 {
       lo_levels = _mm256_and_si256(bytes, low);
       hi_levels = _mm256_srli_epi32(bytes, 4);
     }
-    __m256 p_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo_levels), scales8(block, 0, 0));
-    __m256 p_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(hi_levels), scales8(block, 0, 1));
+    lo = _mm256_cvtepi32_ps(lo_levels);
+    hi = _mm256_cvtepi32_ps(hi_levels);
+  }
+
+  // The 16 weights of step kk (columns 0-7 in lo, 8-15 in hi).
+  static inline void expand(const uint8_t* block, int64_t kk, __m256& lo, __m256& hi) {
+    levels8(block, kk, lo, hi);
+    __m256 p_lo = _mm256_mul_ps(lo, scales8(block, 0, 0));
+    __m256 p_hi = _mm256_mul_ps(hi, scales8(block, 0, 1));
     __asm__("" : "+x"(p_lo), "+x"(p_hi));   // keep both roundings
     lo = _mm256_add_ps(p_lo, scales8(block, 1, 0));
     hi = _mm256_add_ps(p_hi, scales8(block, 1, 1));
   }
 #endif
 
-#if defined(__AVX512F__)
   static constexpr bool kHasMins = true;   // the factored form's m sum(x) term
+
+#if defined(__AVX512F__)
 
   // The block's 16 d (which 0) or m (1) as floats.
   static inline __m512 scales16(const uint8_t* block, int which) {
@@ -218,12 +231,21 @@ struct Q8_0 {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + half * 16)));
   }
 
-  static inline void expand(const uint8_t* block, int64_t kk, __m256& lo, __m256& hi) {
+  // d of columns [8 half, 8 half + 8) (which: 0, as Q4_1's d), for the factored form's tiles.
+  static inline __m256 scale8(const uint8_t* block, int, int half) { return steps8(block, half); }
+
+  // Step kk's 16 levels as floats (columns 0-7 in lo, 8-15 in hi).
+  static inline void levels8(const uint8_t* block, int64_t kk, __m256& lo, __m256& hi) {
     const __m128i bytes =
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols));
-    lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), steps8(block, 0));
-    hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))),
-                       steps8(block, 1));
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+  }
+
+  static inline void expand(const uint8_t* block, int64_t kk, __m256& lo, __m256& hi) {
+    levels8(block, kk, lo, hi);
+    lo = _mm256_mul_ps(lo, steps8(block, 0));
+    hi = _mm256_mul_ps(hi, steps8(block, 1));
   }
 
   // expand()'s lo (half 0) or hi (half 1) alone: the 8 weights of step kk in columns
@@ -235,8 +257,9 @@ struct Q8_0 {
   }
 #endif
 
-#if defined(__AVX512F__)
   static constexpr bool kHasMins = false;
+
+#if defined(__AVX512F__)
 
   // The block's 16 d as floats (which: 0, as Q4_1's d).
   static inline __m512 scales16(const uint8_t* block, int) {

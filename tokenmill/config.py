@@ -47,9 +47,10 @@ class ModelConfig:
     compact_panels: bool = _opt(True, "with the 'hybrid' or 'amx' linears, also keep weights "
                                 "that are exactly GGUF Q4_1 or Q8_0 values (as such a model "
                                 "loads) in their blocks for short steps: a sixth (Q4_1) or "
-                                "27% (Q8_0) of the bytes to stream, the same fp32 values (on "
-                                "AVX-512, steps of up to 6 tokens in the factored form d (q.x) "
-                                "(+ m sum x): as accurate, not bit for bit)")
+                                "27% (Q8_0) of the bytes to stream, the same fp32 values "
+                                "(steps of up to 6 tokens on AVX-512, one on AVX2, in the "
+                                "factored form d (q.x) (+ m sum x): as accurate, not bit for "
+                                "bit)")
     elementwise_backend: str = _opt("auto", "RMSNorm, rotary and SiLU·mul ('auto': fused C++ "
                                     "kernels for float32 on CPU when they compile, else "
                                     "torch ops)",

@@ -282,12 +282,12 @@ static void factored_row_tile(const float* x, const float* sums, int64_t blocks,
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
       const uint8_t* scales = block + p * panel_stride;
-      lo[p] = _mm256_fmadd_ps(part_lo[p], F::scale8(scales, 0, 0), lo[p]);
-      hi[p] = _mm256_fmadd_ps(part_hi[p], F::scale8(scales, 0, 1), hi[p]);
+      lo[p] = _mm256_fmadd_ps(part_lo[p], F::scales8(scales, 0, 0), lo[p]);
+      hi[p] = _mm256_fmadd_ps(part_hi[p], F::scales8(scales, 0, 1), hi[p]);
       if constexpr (F::kHasMins) {
         const __m256 sum = _mm256_set1_ps(sums[b]);
-        lo[p] = _mm256_fmadd_ps(sum, F::scale8(scales, 1, 0), lo[p]);
-        hi[p] = _mm256_fmadd_ps(sum, F::scale8(scales, 1, 1), hi[p]);
+        lo[p] = _mm256_fmadd_ps(sum, F::scales8(scales, 1, 0), lo[p]);
+        hi[p] = _mm256_fmadd_ps(sum, F::scales8(scales, 1, 1), hi[p]);
       }
     }
   }

@@ -121,11 +121,6 @@ struct Q4_1 {
         reinterpret_cast<const __m128i*>(block + which * kCols * 2 + half * 16)));
   }
 
-  // d (which 0) or m (1) of columns [8 half, 8 half + 8), for the factored form's tiles.
-  static inline __m256 scale8(const uint8_t* block, int which, int half) {
-    return scales8(block, which, half);
-  }
-
   // Step kk's 16 levels as floats (columns 0-7 in lo, 8-15 in hi).
   static inline void levels8(const uint8_t* block, int64_t kk, __m256& lo, __m256& hi) {
     const __m256i low = _mm256_set1_epi32(15);
@@ -226,13 +221,11 @@ struct Q8_0 {
   }
 
 #if defined(__AVX2__) && defined(__FMA__)
-  // Eight of the block's d as floats: columns [8 half, 8 half + 8).
-  static inline __m256 steps8(const uint8_t* block, int half) {
+  // Eight of the block's d as floats: columns [8 half, 8 half + 8) (which: 0, as Q4_1's
+  // scales8, which Q8_0 shares so that the tiles take either format).
+  static inline __m256 scales8(const uint8_t* block, int /*which*/, int half) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + half * 16)));
   }
-
-  // d of columns [8 half, 8 half + 8) (which: 0, as Q4_1's d), for the factored form's tiles.
-  static inline __m256 scale8(const uint8_t* block, int, int half) { return steps8(block, half); }
 
   // Step kk's 16 levels as floats (columns 0-7 in lo, 8-15 in hi).
   static inline void levels8(const uint8_t* block, int64_t kk, __m256& lo, __m256& hi) {
@@ -244,8 +237,8 @@ struct Q8_0 {
 
   static inline void expand(const uint8_t* block, int64_t kk, __m256& lo, __m256& hi) {
     levels8(block, kk, lo, hi);
-    lo = _mm256_mul_ps(lo, steps8(block, 0));
-    hi = _mm256_mul_ps(hi, steps8(block, 1));
+    lo = _mm256_mul_ps(lo, scales8(block, 0, 0));
+    hi = _mm256_mul_ps(hi, scales8(block, 0, 1));
   }
 
   // expand()'s lo (half 0) or hi (half 1) alone: the 8 weights of step kk in columns
@@ -253,7 +246,7 @@ struct Q8_0 {
   static inline __m256 expand_half(const uint8_t* block, int64_t kk, int half) {
     const __m128i bytes = _mm_loadl_epi64(
         reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols + 8 * half));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), steps8(block, half));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scales8(block, 0, half));
   }
 #endif
 

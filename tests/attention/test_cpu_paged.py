@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from tests.helpers.isa import avx2_tiles
 from tokenmill import SamplingParams
 from tokenmill.attention.cpu_paged import CpuPagedBackend, load_kernel
-from tokenmill.attention.metadata import AttentionMetadata, PrefillSpan, decode_mask
+from tokenmill.attention.metadata import AttentionMetadata, PrefillSpan
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 
 BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS = 16, 64, 800
@@ -32,13 +32,11 @@ def random_decode_batch(gen: torch.Generator, seq_lens: list[int], shared_prefix
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
 
 
-def metadata(table: torch.Tensor, seq_lens: list[int], window: int | None,
-             block_size: int = BLOCK_SIZE) -> AttentionMetadata:
+def metadata(table: torch.Tensor, seq_lens: list[int], window: int | None) -> AttentionMetadata:
     lens = torch.tensor(seq_lens, dtype=torch.long)
     return AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=len(seq_lens),
-        decode_block_table=table, decode_seq_lens=lens, prefills=[], sliding_window=window,
-        decode_mask=decode_mask(lens, table.shape[1] * block_size, window))
+        decode_block_table=table, decode_seq_lens=lens, prefills=[], sliding_window=window)
 
 
 def run_decode(backend, query, caches, meta):
@@ -53,7 +51,7 @@ def assert_matches_reference(gen: torch.Generator, kv_heads: int, groups: int,
     shape = (NUM_BLOCKS, block_size, kv_heads, head_dim)
     caches = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
     query = torch.randn(len(seq_lens), heads, head_dim, generator=gen) * 2
-    meta = metadata(table, seq_lens, window, block_size)
+    meta = metadata(table, seq_lens, window)
     scale = head_dim ** -0.5
     expected = run_decode(TorchReferenceBackend(heads, kv_heads, head_dim, scale), query,
                           caches, meta)
@@ -245,8 +243,7 @@ def random_mixed_step(gen: torch.Generator, decode_lens: list[int],
         slot_mapping=torch.tensor(slots), num_decodes=len(decode_lens),
         decode_block_table=torch.tensor([t + [0] * (width - len(t))
                                          for t in tables[:len(decode_lens)]]).view(-1, width),
-        decode_seq_lens=lens, prefills=spans,
-        decode_mask=decode_mask(lens, width * BLOCK_SIZE, None))
+        decode_seq_lens=lens, prefills=spans)
     qkv = torch.randn(row, heads + 2 * kv_heads, HEAD_DIM, generator=gen)
     shape = (NUM_BLOCKS, BLOCK_SIZE, kv_heads, HEAD_DIM)
     caches = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))

@@ -28,8 +28,16 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor       # [num_decodes] long: context length incl. the new token
     prefills: list[PrefillSpan]
     sliding_window: int | None = None   # attend to at most this many latest positions
-    # [num_decodes, 1, 1, max_blocks * block_size] additive mask, built once per step
-    decode_mask: torch.Tensor | None = None
+
+    def decode_mask(self, width: int) -> torch.Tensor:
+        """[num_decodes, 1, 1, width] additive mask over the padded contexts (width: the
+        block table's slots), for the reference backend. Built on first use, once a step: the
+        kernels never read it (building it cost ~15 us a step)."""
+        mask = self.__dict__.get("_decode_mask")
+        if mask is None or mask.shape[-1] != width:
+            mask = decode_mask(self.decode_seq_lens, width, self.sliding_window)
+            self.__dict__["_decode_mask"] = mask
+        return mask
 
     @cached_property
     def packed_prefills(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,7 +94,7 @@ class TorchReferenceBackend:
                                                        self.head_dim).transpose(1, 2)
         values = gather_blocks(v_cache, flat_table).view(num, width, self.num_kv_heads,
                                                          self.head_dim).transpose(1, 2)
-        mask = meta.decode_mask.to(query.dtype)
+        mask = meta.decode_mask(width).to(query.dtype)
         out = F.scaled_dot_product_attention(
             query.view(num, self.num_heads, 1, self.head_dim), keys, values, attn_mask=mask,
             scale=self.scale, enable_gqa=True)

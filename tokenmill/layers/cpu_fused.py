@@ -1,6 +1,6 @@
-"""Fused elementwise kernels for CPU fp32 (residual add + RMSNorm, rotary, SiLU·mul); see
-cpu_fused_kernel.cpp. Each replaces a chain of small torch ops whose dispatch cost dominates
-at decode sizes."""
+"""Fused kernels for CPU fp32: residual add + RMSNorm, rotary, SiLU·mul, and the greedy pick
+(argmax_rows); see cpu_fused_kernel.cpp. Each replaces a chain of small torch ops whose
+dispatch cost (and passes over memory) dominate at decode sizes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from tokenmill.kernels.cpp_build import AVX2_MATH, ENTRY_POINTS, CpuExtension
 
 KERNEL = CpuExtension("tokenmill_cpu_fused", Path(__file__).with_name("cpu_fused_kernel.cpp"),
-                      ["add_rms_norm", "rotate_half", "silu_and_mul", "entry_points"],
+                      ["add_rms_norm", "rotate_half", "silu_and_mul", "argmax_rows",
+                       "entry_points"],
                       "cpu_fused elementwise kernels", "torch ops",
                       extra_cflags=("-ffp-contract=off",), headers=(AVX2_MATH, ENTRY_POINTS))
 load_kernel = KERNEL.load

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention.metadata import AttentionMetadata, PrefillSpan, decode_mask
+from tokenmill.attention.metadata import AttentionMetadata, PrefillSpan
 from tokenmill.worker.request_state import RequestState
 
 
@@ -78,8 +78,7 @@ def build_batch(states: list[RequestState], num_new: list[int], num_drafts: list
         num_decodes=len(decode_tables),
         decode_block_table=torch.tensor(padded, dtype=torch.long, device=device).view(-1, width),
         decode_seq_lens=decode_seq_lens,
-        prefills=prefills, sliding_window=sliding_window,
-        decode_mask=decode_mask(decode_seq_lens, width * block_size, sliding_window))
+        prefills=prefills, sliding_window=sliding_window)
     return StepBatch([states[i].request_id for i in order],
                      torch.tensor(input_ids, dtype=torch.long, device=device),
                      torch.tensor(positions, dtype=torch.long, device=device),

@@ -75,8 +75,7 @@ class ModelRunner:
                 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
         if not batch.sample_rows:
             return {}, {}
-        rows_index = torch.tensor(batch.sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows_index])          # [rows, vocab]
+        logits = self.model.compute_logits(self._rows(hidden, batch.sample_rows))  # [rows, vocab]
         states = [self.requests[rid] for rid in batch.sample_request_ids]
         rows = [row for s, count in zip(states, batch.sample_counts)
                 for row in self._sampling_rows(s, count)]
@@ -90,6 +89,13 @@ class ModelRunner:
                 chosen[rid] = logprobs[first:first + len(kept)]
             first = end
         return sampled, chosen
+
+    def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """hidden's `rows`: in a decode-only step every row, in order, as it is (indexing a
+        copy out cost 30-40 us a step)."""
+        if len(rows) == hidden.shape[0] and rows[0] == 0 and rows[-1] == len(rows) - 1:
+            return hidden   # ascending, distinct, so exactly 0 .. n - 1
+        return hidden.index_select(0, torch.tensor(rows, device=self.device))
 
     def _sampling_rows(self, state: RequestState, count: int) -> list[SamplingRow]:
         """One row per position sampled: the request's next token, then one after each of

@@ -6,7 +6,7 @@ chunks. Built once per step by the model runner.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -28,16 +28,16 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor       # [num_decodes] long: context length incl. the new token
     prefills: list[PrefillSpan]
     sliding_window: int | None = None   # attend to at most this many latest positions
+    _decode_mask: torch.Tensor | None = field(default=None, init=False, repr=False,
+                                              compare=False)
 
     def decode_mask(self, width: int) -> torch.Tensor:
         """[num_decodes, 1, 1, width] additive mask over the padded contexts (width: the
         block table's slots), for the reference backend. Built on first use, once a step: the
         kernels never read it (building it cost ~15 us a step)."""
-        mask = self.__dict__.get("_decode_mask")
-        if mask is None or mask.shape[-1] != width:
-            mask = decode_mask(self.decode_seq_lens, width, self.sliding_window)
-            self.__dict__["_decode_mask"] = mask
-        return mask
+        if self._decode_mask is None or self._decode_mask.shape[-1] != width:
+            self._decode_mask = decode_mask(self.decode_seq_lens, width, self.sliding_window)
+        return self._decode_mask
 
     @cached_property
     def packed_prefills(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,8 +56,9 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
 
     Returns the model, its spec and the resolved max_model_len.
     """
-    if device.type == "cpu" and dtype == torch.float32:   # what "auto" may pick, built at once
-        load_in_parallel(CPU_KERNELS)
+    if device.type == "cpu":   # what "auto" may pick, built at once; in any dtype the sampler's
+        # greedy pick (cpu_fused) takes the fp32 logits, so no request waits on its build
+        load_in_parallel(CPU_KERNELS if dtype == torch.float32 else [cpu_fused.KERNEL])
     if kind == "gguf":
         reader = gguf_loader.open_gguf(path)
         spec = gguf_loader.spec_from_gguf(reader)

@@ -345,6 +345,7 @@ def test_hybrid_linear_takes_compact_panels_for_short_steps_only():
 @example(rows=40, blocks=9, tail=5, panels=7, fmt="fp32", seed=0)   # 4 row groups, 3 slices
 @example(rows=90, blocks=2, tail=0, panels=3, fmt="fp32", seed=1)   # 8: no spread prefetch
 @example(rows=24, blocks=18, tail=0, panels=5, fmt="q4_1", seed=2)  # compact, two groups
+@example(rows=40, blocks=6, tail=0, panels=7, fmt="q4_1", seed=4)   # staged: 4 groups
 @example(rows=30, blocks=5, tail=0, panels=3, fmt="q8_0", seed=3)   # staged: 3 groups, a
 #                                                                     short last slice, 1 panel
 def test_avx512_tiles_give_bitwise_the_avx2_tiles_output(rows, blocks, tail, panels, fmt, seed):

@@ -237,7 +237,7 @@ inline void linear(int64_t m, const float* x, int64_t k_len, const float* wp, in
   });
 }
 
-// With more than one row group, compact panels are rebuilt a slice at a time into fp32 in
+// With more than two row groups, compact panels are rebuilt a slice at a time into fp32 in
 // L1 (`staged`, kStageK steps of kGroupSide panels) and every other group's fp32 tile passes
 // over that: the rebuild (about as many instructions as the FMAs of a few rows) is paid once,
 // not once per group. M = 13 used to cost 40% more than M = 12.
@@ -248,8 +248,9 @@ static_assert(kStageK % gemv_blocks::kSteps == 0);
 // weights rebuilt in registers as block_tile does, and also stored to `staged` (kStageK steps
 // a panel) for the other groups. The rebuild then runs beside this group's FMAs; staging the
 // slice before any group's pass left the FMA units idle meanwhile (SmolLM2's 120 layer
-// linears on a 2-core Zen 4, the two in turn: M = 13 1.07-1.08x, 16 1.03-1.05x, 32
-// 1.03x, 64 1.02x, 128 1.015x; bitwise the same output).
+// linears on a 2-core Zen 4, the two in turn, when this route took every step of two groups
+// or more: M = 13 1.07-1.08x, 16 1.03-1.05x, 32 1.03x, 64 1.02x, 128 1.015x; bitwise the
+// same output).
 template <typename F, int R, int P>
 void staging_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t panel_stride,
                   int64_t k0, int64_t k_step, float* staged, float* y, int64_t ldy,
@@ -306,23 +307,35 @@ inline void staged_pass(const RowGroups& groups, const float* x, int64_t k_len,
   }
 }
 
-// The same over compact panels of format F: one row group rebuilds each weight in registers
-// as it goes; more groups share a staged slice (staged_pass).
+// Up to this many rows (two row groups) each group rebuilds the compact weights in registers
+// on its own (block_tile), the second reading them again from L1/L2 (a chunk is a few panels),
+// instead of sharing a staged slice. Rebuilding twice in tiles of up to three panels measured
+// faster than one rebuild and fp32 tiles of two panels over L1 (SmolLM2's 120 layer linears and
+// the lm_head, both routes in turn, 2-core Zen 4, medians of 9: M = 13 1.12-1.13x, 14 1.13x,
+// 16 1.09-1.10x, 18 1.01x, 20 1.06-1.07x, 24 1.02x, the same output bit for bit); from three
+// groups the staged slice wins (M = 48 0.94x, 64 0.93x, 128 0.89x per group).
+constexpr int64_t kPerGroupMaxRows = 2 * kMaxRows;
+
+// The same over compact panels of format F: one or two row groups each rebuild every weight in
+// registers as they go; more groups share a staged slice (staged_pass).
 template <typename F>
 void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, int64_t panels,
                   float* y, int64_t n) {
   const RowGroups groups(m);
   const int64_t stride = k_len / gemv_blocks::kSteps * F::kBlockBytes;
-  const int64_t unit = groups.count == 1 ? side_panels(m) : kGroupSide;
+  const bool per_group = groups.count > 1 && m <= kPerGroupMaxRows;
+  const int64_t unit = groups.count == 1 || per_group ? side_panels(groups.size(0)) : kGroupSide;
   const int64_t chunk = tokenmill_parallel::chunk_for(panels, unit);
   tokenmill_parallel::parallel_chunks(panels, chunk, [&](int64_t begin, int64_t end) {
-    if (groups.count > 1) return staged_pass<F>(groups, x, k_len, wp, stride, begin, end, y, n);
-    side_by_side(m, end - begin, [&]<int R, int P>(int64_t p) {
-      const int64_t panel = begin + p;
-      const uint8_t* after = panel + P < end ? wp + (panel + P) * stride : nullptr;
-      block_tile<F, R, P>(x, k_len, wp + panel * stride, stride, k_len, y + panel * kPanel, n,
-                          after);
-    });
+    if (groups.count > 1 && !per_group)
+      return staged_pass<F>(groups, x, k_len, wp, stride, begin, end, y, n);
+    for (int64_t g = 0, row = 0; g < groups.count; row += groups.size(g++))
+      side_by_side(groups.size(g), end - begin, [&]<int R, int P>(int64_t p) {
+        const int64_t panel = begin + p;
+        const uint8_t* after = panel + P < end ? wp + (panel + P) * stride : nullptr;
+        block_tile<F, R, P>(x + row * k_len, k_len, wp + panel * stride, stride, k_len,
+                            y + row * n + panel * kPanel, n, after);
+      });
   });
 }
 

@@ -168,11 +168,14 @@ FORMATS = {"q4_1": (q4_1_weight, "pack_gemv_q4", torch.uint8),
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @settings(max_examples=25, deadline=None)
-@given(rows=st.integers(1, 20), blocks=st.integers(1, 24), panels=st.integers(1, 9),
+@given(rows=st.integers(1, 48), blocks=st.integers(1, 24), panels=st.integers(1, 9),
        seed=st.integers(0, 2**16))
 @example(rows=7, blocks=3, panels=5, seed=1)     # Q8_0: the half-panel tiles' smallest...
 @example(rows=12, blocks=18, panels=3, seed=2)   # ...and largest row count
 @example(rows=13, blocks=2, panels=2, seed=3)    # and the row groups again above them
+@example(rows=24, blocks=3, panels=3, seed=4)    # AVX-512: the tallest tile...
+@example(rows=25, blocks=2, panels=3, seed=5)    # ...two groups of tall tiles...
+@example(rows=41, blocks=5, panels=2, seed=6)    # ...and the staged slice past them
 def test_compact_panels_give_bitwise_the_fp32_panels_output(fmt, rows, blocks, panels, seed):
     # The packer recovers every block's scales and levels, and the kernel rebuilds the same
     # fp32 weights and sums them in the same order: not close, equal; and a row's result

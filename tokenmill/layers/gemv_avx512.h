@@ -8,7 +8,9 @@
 //
 // The plan is the AVX2 one: up to one row group (12 rows), one pass over the panels, several
 // side by side; more rows go in equal groups over K blocks, the panels' slice staying in L1
-// while every group passes over it. Threads take the panels in chunks (kernels/work_sharing.h).
+// while every group passes over it. Compact panels of 13-40 rows take tall tiles instead (one
+// panel, up to 24 rows: tall_linear). Threads take the panels in chunks
+// (kernels/work_sharing.h).
 
 #include <algorithm>
 #include <vector>
@@ -44,7 +46,7 @@ struct RowGroups : gemv_rows::RowGroups {
 template <int R, int P>
 __attribute__((always_inline)) inline void fma_rows(__m512 (&acc)[R][P], const float* x,
                                                     int64_t ldx, const __m512 (&w)[P]) {
-#pragma GCC unroll 12
+#pragma GCC unroll 24
   for (int r = 0; r < R; ++r) {
     __m512 xv = _mm512_set1_ps(x[r * ldx]);
     if (P > 1) __asm__("" : "+v"(xv));   // its load here, not hoisted
@@ -56,7 +58,7 @@ __attribute__((always_inline)) inline void fma_rows(__m512 (&acc)[R][P], const f
 template <int R, int P>
 __attribute__((always_inline)) inline void start_tile(__m512 (&acc)[R][P], const float* y,
                                                       int64_t ldy, bool accumulate) {
-#pragma GCC unroll 12
+#pragma GCC unroll 24
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p)
@@ -66,7 +68,7 @@ __attribute__((always_inline)) inline void start_tile(__m512 (&acc)[R][P], const
 template <int R, int P>
 __attribute__((always_inline)) inline void store_tile(const __m512 (&acc)[R][P], float* y,
                                                       int64_t ldy) {
-#pragma GCC unroll 12
+#pragma GCC unroll 24
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) _mm512_storeu_ps(y + r * ldy + p * kPanel, acc[r][p]);
@@ -237,10 +239,10 @@ inline void linear(int64_t m, const float* x, int64_t k_len, const float* wp, in
   });
 }
 
-// With more than two row groups, compact panels are rebuilt a slice at a time into fp32 in
+// Past the tall tiles' rows (below), compact panels are rebuilt a slice at a time into fp32 in
 // L1 (`staged`, kStageK steps of kGroupSide panels) and every other group's fp32 tile passes
 // over that: the rebuild (about as many instructions as the FMAs of a few rows) is paid once,
-// not once per group. M = 13 used to cost 40% more than M = 12.
+// not once per group.
 constexpr int64_t kStageK = 128;   // a multiple of gemv_blocks::kSteps
 static_assert(kStageK % gemv_blocks::kSteps == 0);
 
@@ -307,35 +309,66 @@ inline void staged_pass(const RowGroups& groups, const float* x, int64_t k_len,
   }
 }
 
-// Up to this many rows (two row groups) each group rebuilds the compact weights in registers
-// on its own (block_tile), the second reading them again from L1/L2 (a chunk is a few panels),
-// instead of sharing a staged slice. Rebuilding twice in tiles of up to three panels measured
-// faster than one rebuild and fp32 tiles of two panels over L1 (SmolLM2's 120 layer linears and
-// the lm_head, both routes in turn, 2-core Zen 4, medians of 9: M = 13 1.12-1.13x, 14 1.13x,
-// 16 1.09-1.10x, 18 1.01x, 20 1.06-1.07x, 24 1.02x, the same output bit for bit); from three
-// groups the staged slice wins (M = 48 0.94x, 64 0.93x, 128 0.89x per group).
-constexpr int64_t kPerGroupMaxRows = 2 * kMaxRows;
+// Tall tiles: from 13 rows, one panel a tile and up to 24 rows (R + 5 of the 32 registers).
+// A compact step's rebuild (four operations for 16 weights) then serves R FMAs rather than
+// the 6-12 of a 12-row group's tile, so two 8-row groups (16 rows) rebuild each weight once,
+// not twice. Zen 4 does one 512-bit FMA a cycle (on two 256-bit units), so a tile's broadcast
+// a FMA fits its load ports (not measured on the Xeons, which do two).
+// SmolLM2's 120 layer linears and the lm_head against two 12-row groups or the staged slice,
+// in turn in one process (medians of 9, 2-core Zen 4): M = 16 1.04-1.05x, 18 1.10x, 20
+// 1.08x, 24 1.07x, 32 1.03-1.05x (two groups of 16), 40 1.05x, 48 0.99x (so two groups at
+// most); bitwise the same output. Offline decode steps (16 / 20 prompts of 128 tokens, same
+// tokens): 1.036x / 1.076x.
+constexpr int64_t kTallMaxRows = 24;
+constexpr int64_t kTallRouteMaxRows = 40;
 
-// The same over compact panels of format F: one or two row groups each rebuild every weight in
-// registers as they go; more groups share a staged slice (staged_pass).
+// y[m, 16 panels] = x[m, k_len] @ compact panels of format F, kMaxRows < m <=
+// kTallRouteMaxRows: one or two equal row groups, each over every panel in tall tiles.
 template <typename F>
-void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, int64_t panels,
-                  float* y, int64_t n) {
-  const RowGroups groups(m);
+void tall_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, int64_t panels,
+                 float* y, int64_t n) {
+  const gemv_rows::RowGroups groups(m, kTallMaxRows);
   const int64_t stride = k_len / gemv_blocks::kSteps * F::kBlockBytes;
-  const bool per_group = groups.count > 1 && m <= kPerGroupMaxRows;
-  const int64_t unit = groups.count == 1 || per_group ? side_panels(groups.size(0)) : kGroupSide;
-  const int64_t chunk = tokenmill_parallel::chunk_for(panels, unit);
+  const int64_t chunk = tokenmill_parallel::chunk_for(panels, 1);
   tokenmill_parallel::parallel_chunks(panels, chunk, [&](int64_t begin, int64_t end) {
-    if (groups.count > 1 && !per_group)
-      return staged_pass<F>(groups, x, k_len, wp, stride, begin, end, y, n);
-    for (int64_t g = 0, row = 0; g < groups.count; row += groups.size(g++))
-      side_by_side(groups.size(g), end - begin, [&]<int R, int P>(int64_t p) {
+    for (int64_t g = 0, row = 0; g < groups.count; row += groups.size(g++)) {
+      const auto tiles = [&]<int R, int P>(int64_t p) {
         const int64_t panel = begin + p;
         const uint8_t* after = panel + P < end ? wp + (panel + P) * stride : nullptr;
         block_tile<F, R, P>(x + row * k_len, k_len, wp + panel * stride, stride, k_len,
                             y + row * n + panel * kPanel, n, after);
+      };
+      if (groups.size(g) <= kMaxRows) {   // 25 rows: 13 + 12
+        side_by_side(groups.size(g), end - begin, tiles);
+        continue;
+      }
+      with_rows_in<kMaxRows + 1, kTallMaxRows>(groups.size(g), [&]<int R>() {
+        for (int64_t p = 0; p < end - begin; ++p) tiles.template operator()<R, 1>(p);
       });
+    }
+  });
+}
+
+// The same over compact panels of format F: one row group rebuilds every weight in registers
+// as it goes (block_tile, several panels side by side), up to kTallRouteMaxRows rows take
+// tall tiles, and more rows share a staged slice (staged_pass).
+template <typename F>
+void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, int64_t panels,
+                  float* y, int64_t n) {
+  if (m > kMaxRows && m <= kTallRouteMaxRows)
+    return tall_linear<F>(m, x, k_len, wp, panels, y, n);
+  const RowGroups groups(m);
+  const int64_t stride = k_len / gemv_blocks::kSteps * F::kBlockBytes;
+  const int64_t unit = groups.count == 1 ? side_panels(m) : kGroupSide;
+  const int64_t chunk = tokenmill_parallel::chunk_for(panels, unit);
+  tokenmill_parallel::parallel_chunks(panels, chunk, [&](int64_t begin, int64_t end) {
+    if (groups.count > 1) return staged_pass<F>(groups, x, k_len, wp, stride, begin, end, y, n);
+    side_by_side(m, end - begin, [&]<int R, int P>(int64_t p) {
+      const int64_t panel = begin + p;
+      const uint8_t* after = panel + P < end ? wp + (panel + P) * stride : nullptr;
+      block_tile<F, R, P>(x, k_len, wp + panel * stride, stride, k_len, y + panel * kPanel, n,
+                          after);
+    });
   });
 }
 
@@ -397,11 +430,11 @@ void factored_tile(const float* x, int64_t ldx, const float* sums, int64_t block
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
       const __m512 d = F::scales16(block + p * panel_stride, 0);
-#pragma GCC unroll 12
+#pragma GCC unroll 24
       for (int r = 0; r < R; ++r) acc[r][p] = _mm512_fmadd_ps(part[r][p], d, acc[r][p]);
       if constexpr (F::kHasMins) {
         const __m512 mn = F::scales16(block + p * panel_stride, 1);
-#pragma GCC unroll 12
+#pragma GCC unroll 24
         for (int r = 0; r < R; ++r)
           acc[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * blocks + b]), mn, acc[r][p]);
       }

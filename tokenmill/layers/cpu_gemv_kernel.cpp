@@ -17,8 +17,8 @@
 // also stream in their blocks, a fifth or a quarter of the bytes, and are rebuilt in
 // registers as the same fp32 numbers; the output is bitwise that of the fp32 panels. Short
 // steps take them in the factored form instead (fewer operations a weight, as accurate, not
-// bitwise): up to 6 rows where the build has AVX-512 (gemv_avx512.h), one row on the AVX2
-// tiles (factored_row).
+// bitwise): up to 6 rows where the build has AVX-512 (12 on Zen 4, gemv_avx512.h), one row
+// on the AVX2 tiles (factored_row).
 #include <algorithm>
 #include <atomic>
 #include <vector>
@@ -425,7 +425,7 @@ bool gemv_use_factored(bool on) {
 int64_t gemv_factored_max_rows() {
   if (!use_factored) return 0;
 #if defined(__AVX512F__)
-  if (use_avx512) return gemv_avx512::kFactoredMaxRows;
+  if (use_avx512) return gemv_avx512::factored_max_rows();
 #endif
   return 1;
 }
@@ -435,7 +435,7 @@ template <typename F>
 static void compact_linear(int64_t m, const float* x, int64_t k_len, const torch::Tensor& packed,
                            float* y, int64_t n) {
   const auto* wp = static_cast<const uint8_t*>(packed.data_ptr());
-  if (use_factored && m <= gemv_avx512::kFactoredMaxRows)
+  if (use_factored && m <= gemv_avx512::factored_max_rows())
     return gemv_avx512::factored_linear<F>(m, x, k_len, wp, packed.size(0), y, n);
   gemv_avx512::block_linear<F>(m, x, k_len, wp, packed.size(0), y, n);
 }

@@ -3,18 +3,19 @@
 // against 2 panels (24 accumulators) where the AVX2 tiles hold 6 rows against one, and each
 // FMA does twice the work. Every output still sums its k steps in order, one FMA each, over
 // the same (rebuilt) weights: the result is bitwise that of the AVX2 tiles, whatever the rows
-// beside it. The exception, by default: compact panels in steps of up to 6 rows, in the
-// factored form (factored_linear, at the end).
+// beside it. The exception, by default: compact panels in steps of up to 6 rows (12 on Zen 4),
+// in the factored form (factored_linear, at the end).
 //
 // The plan is the AVX2 one: up to one row group (12 rows), one pass over the panels, several
 // side by side; more rows go in equal groups over K blocks, the panels' slice staying in L1
-// while every group passes over it. Compact panels of 13-40 rows take tall tiles instead (one
-// panel, up to 24 rows: tall_linear). Threads take the panels in chunks
+// while every group passes over it. On Zen 4, compact panels of 13-40 rows take tall tiles
+// instead (one panel, up to 24 rows: tall_linear). Threads take the panels in chunks
 // (kernels/work_sharing.h).
 
 #include <algorithm>
 #include <vector>
 #if defined(__AVX512F__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -39,6 +40,20 @@ constexpr int side_panels(int64_t rows) { return rows <= 6 ? 4 : rows <= 9 ? 3 :
 struct RowGroups : gemv_rows::RowGroups {
   explicit RowGroups(int64_t m) : gemv_rows::RowGroups(m, kMaxRows) {}
 };
+
+// Whether this is a Zen 4 core (AMD family 19h, the only one of that family with AVX-512): it
+// runs a 512-bit FMA as two 256-bit halves, one a cycle where the Xeons do two, so routes that
+// spend load-port work or registers to save vector operations (tall tiles, longer factored
+// steps) pay there. They were measured on Zen 4 only; other CPUs keep the Xeons' routes.
+inline bool zen4_fma_rate() {
+  static const bool zen4 = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541) return false;   // "Auth"enticAMD
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+    return ((a >> 8) & 0xf) + ((a >> 20) & 0xff) == 0x19;
+  }();
+  return zen4;
+}
 
 // One k step of a tile: x[r][k] (x points at column k, rows ldx apart) times the P panels'
 // weights. Row by row, one broadcast live at a time: with all R broadcasts loaded first, GCC
@@ -312,8 +327,8 @@ inline void staged_pass(const RowGroups& groups, const float* x, int64_t k_len,
 // Tall tiles: from 13 rows, one panel a tile and up to 24 rows (R + 5 of the 32 registers).
 // A compact step's rebuild (four operations for 16 weights) then serves R FMAs rather than
 // the 6-12 of a 12-row group's tile, so two 8-row groups (16 rows) rebuild each weight once,
-// not twice. Zen 4 does one 512-bit FMA a cycle (on two 256-bit units), so a tile's broadcast
-// a FMA fits its load ports (not measured on the Xeons, which do two).
+// not twice. Zen 4 does one 512-bit FMA a cycle, so a tile's broadcast a FMA fits its load
+// ports; the Xeons do two (not measured there: zen4_fma_rate()).
 // SmolLM2's 120 layer linears and the lm_head against two 12-row groups or the staged slice,
 // in turn in one process (medians of 9, 2-core Zen 4): M = 16 1.04-1.05x, 18 1.10x, 20
 // 1.08x, 24 1.07x, 32 1.03-1.05x (two groups of 16), 40 1.05x, 48 0.99x (so two groups at
@@ -350,12 +365,12 @@ void tall_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, in
 }
 
 // The same over compact panels of format F: one row group rebuilds every weight in registers
-// as it goes (block_tile, several panels side by side), up to kTallRouteMaxRows rows take
-// tall tiles, and more rows share a staged slice (staged_pass).
+// as it goes (block_tile, several panels side by side), on Zen 4 up to kTallRouteMaxRows rows
+// take tall tiles, and more rows share a staged slice (staged_pass).
 template <typename F>
 void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, int64_t panels,
                   float* y, int64_t n) {
-  if (m > kMaxRows && m <= kTallRouteMaxRows)
+  if (m > kMaxRows && m <= kTallRouteMaxRows && zen4_fma_rate())
     return tall_linear<F>(m, x, k_len, wp, panels, y, n);
   const RowGroups groups(m);
   const int64_t stride = k_len / gemv_blocks::kSteps * F::kBlockBytes;
@@ -400,16 +415,23 @@ void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, i
 // 1.13 -> 0.94, M = 4 1.31 -> 1.16, M = 6 1.65 -> 1.55; largest error against float64 at
 // M = 1 2.6e-6 (rebuilt 1.0e-5).
 
-// The longest step taken in the factored form. From 7 rows the rows' FMAs bound the step and
-// the tiles that fit (one panel a tile, 2 R accumulators) measured even with block_tile's
-// three panels at 7-12 rows in isolation and 5% slower in 8-row decode steps, so those steps
-// keep rebuilding the weights. (A row's result then depends on whether its step has more than
-// 6 rows, by rounding, as it already does at the AMX tiles' threshold.)
-constexpr int64_t kFactoredMaxRows = 6;
+// The longest step taken in the factored form. From 7 rows the rows' FMAs bound the step,
+// and the tiles that fit hold one panel (2 R accumulators). On the Xeons (two 512-bit FMAs a
+// cycle) those measured even with block_tile's three panels at 7-12 rows in isolation and 5%
+// slower in 8-row decode steps, so there those steps rebuild the weights. On Zen 4 (one a
+// cycle: zen4_fma_rate()) the factored form's two operations a step and panel, against the
+// rebuild's four, pay: SmolLM2's linears and lm_head, both forms in turn (medians of 9): M = 7
+// 1.10x, 8 1.12x, 9 1.16x, 10 1.13x, 12 1.11x; offline 8-row decode steps 1.06-1.08x, the
+// same tokens. (A row's result then depends on whether its step has more rows than this, by
+// rounding, as it already does at the AMX tiles' threshold.)
+constexpr int64_t kFactoredMaxRowsAnywhere = 12;
+inline int64_t factored_max_rows() { return zen4_fma_rate() ? kFactoredMaxRowsAnywhere : 6; }
 
 // Panels side by side for R rows: 2 R P accumulators (the block's products, and the scaled
 // sum), P levels and a broadcast in 32 registers.
-constexpr int factored_side_panels(int64_t rows) { return rows <= 3 ? 4 : rows == 4 ? 3 : 2; }
+constexpr int factored_side_panels(int64_t rows) {
+  return rows <= 3 ? 4 : rows == 4 ? 3 : rows <= 6 ? 2 : 1;
+}
 
 // y[R, 16 P] = x[R, k_len] @ P compact panels of format F (`panel_stride` bytes apart),
 // factored; sums[r * blocks + b] (Q4_1's m terms): row r's sum of x over block b. A block's
@@ -443,7 +465,8 @@ void factored_tile(const float* x, int64_t ldx, const float* sums, int64_t block
   store_tile<R, P>(acc, y, ldy);
 }
 
-// y[m, 16 panels] = x[m, k_len] @ compact panels of format F, m <= kFactoredMaxRows, factored.
+// y[m, 16 panels] = x[m, k_len] @ compact panels of format F, m <= factored_max_rows(),
+// factored.
 // A row's result does not depend on m (the same sums and FMAs in the same order) nor on the
 // thread.
 template <typename F>
@@ -464,7 +487,7 @@ void factored_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp
   const int64_t stride = blocks * F::kBlockBytes;
   const int64_t chunk = tokenmill_parallel::chunk_for(panels, factored_side_panels(m));
   tokenmill_parallel::parallel_chunks(panels, chunk, [&](int64_t begin, int64_t end) {
-    with_rows_in<1, kFactoredMaxRows>(m, [&]<int R>() {
+    with_rows_in<1, kFactoredMaxRowsAnywhere>(m, [&]<int R>() {
       constexpr int kSide = factored_side_panels(R);
       const auto at = [&]<int P>(int64_t panel) {
         const uint8_t* after = panel + P < end ? wp + (panel + P) * stride : nullptr;

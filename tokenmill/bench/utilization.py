@@ -108,8 +108,8 @@ def _best_gflops(run, flops: float, rounds: int) -> float:
 def _gemm_candidates(size: int):
     """(label, run, flops) of the fp32 GEMMs torch has here: torch.mm (MKL on x86 builds)
     and, where torch has oneDNN, its linear on a weight prepacked as the engine's Linear packs
-    it. On an AMD Zen 4 torch.mm reached 153-187 GFLOP/s where oneDNN's packed linear ran
-    SmolLM2's prefill at 217: a peak from torch.mm alone overstated every MFU there."""
+    it. On an AMD Zen 4 torch.mm peaked at 185-191 GFLOP/s where oneDNN's packed linear ran
+    the same product at 221-223: a peak from torch.mm alone overstated every MFU there."""
     import torch
     for m, k, n in ((size, size, size), (size, 576, 3072)):
         a, b = torch.randn(m, k), torch.randn(k, n)

@@ -50,6 +50,23 @@ def test_silu_and_mul_matches_reference(rows, half, scale, seed):
     assert torch.equal(gate_up, before)
 
 
+@pytest.mark.parametrize("rows,half", [(1, 9000), (3, 2999), (8, 1536), (5, 17)])
+def test_silu_and_mul_split_by_elements_is_the_one_thread_result(rows, half):
+    """Chunks of elements (a row cut anywhere, even mid-row) give bitwise the values of one
+    thread's pass, and every output is written."""
+    gate_up = torch.randn(rows, 2 * half, generator=torch.Generator().manual_seed(rows)) * 3
+    kernel, threads = load_kernel(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        split = kernel.silu_and_mul(gate_up)
+        torch.set_num_threads(1)
+        whole = kernel.silu_and_mul(gate_up)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(split, whole)
+    torch.testing.assert_close(split, SiluAndMul()(gate_up), rtol=2e-6, atol=1e-6)
+
+
 def test_silu_and_mul_rejects_odd_width():
     with pytest.raises(RuntimeError, match="even"):
         load_kernel().silu_and_mul(torch.randn(2, 7))

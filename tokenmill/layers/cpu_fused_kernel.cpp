@@ -24,8 +24,15 @@ namespace {
 // rows per parallel chunk: enough work (~32k floats) that waking a second thread pays
 int64_t row_grain(int64_t row_len) { return std::max<int64_t>(1, 32768 / row_len); }
 
+// elements per chunk of SiLU·mul, split by elements: an 8-row step (12k outputs) takes both
+// threads, which read the gate_up rows both just wrote (1.0-1.4% off an 8-row decode step)
+constexpr int64_t kSiluGrain = 4096;
+
 #if defined(__AVX2__)
 using tokenmill_avx2::exp_ps;
+#if defined(__AVX512F__)
+using tokenmill_avx2::exp_ps16;
+#endif
 using tokenmill_avx2::hsum;
 #endif
 
@@ -64,6 +71,14 @@ void norm_row(const float* x, const float* residual, const float* weight, float 
 // out[d] = silu(gate[d]) * up[d] = gate * up / (1 + e^-gate)
 void silu_mul_row(const float* gate, const float* up, int64_t n, float* out) {
   int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 one16 = _mm512_set1_ps(1.0f);
+  for (; d + 16 <= n; d += 16) {   // exp_ps16 is exp_ps lane for lane: the same results
+    const __m512 g = _mm512_loadu_ps(gate + d);
+    const __m512 denom = _mm512_add_ps(one16, exp_ps16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_div_ps(g, denom), _mm512_loadu_ps(up + d)));
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 one = _mm256_set1_ps(1.0f);
   for (; d + 8 <= n; d += 8) {
@@ -159,9 +174,12 @@ torch::Tensor rotate_half(torch::Tensor x, torch::Tensor cos, torch::Tensor sin)
 
 // Gated activation, gate_up rows [gate (n) | up (n)] -> out rows of n: silu(gate) * up.
 void silu_and_mul_into(const float* gate_up, int64_t rows, int64_t n, float* out) {
-  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      silu_mul_row(gate_up + r * 2 * n, gate_up + r * 2 * n + n, n, out + r * n);
+  at::parallel_for(0, rows * n, kSiluGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin / n; r * n < end; ++r) {
+      const int64_t first = std::max(begin - r * n, int64_t{0});
+      const int64_t last = std::min(end - r * n, n);
+      const float* gate = gate_up + r * 2 * n;
+      silu_mul_row(gate + first, gate + n + first, last - first, out + r * n + first);
     }
   });
 }

@@ -88,23 +88,25 @@ def test_bf16_and_q4_1_weights_are_taken_and_exact():
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 16), blocks=st.integers(1, 12), col_tiles=st.integers(1, 8),
        seed=st.integers(0, 2**16))
-def test_four_bit_levels_give_the_bf16_tiles_result_to_the_bit(rows, blocks, col_tiles, seed):
-    """Steps of up to 16 rows take the Q4_1 levels in four bits, rebuilt as the bf16 tiles in
-    L1: the same products in the same order, so the same bits, at every shape."""
+def test_four_bit_records_give_the_bf16_tiles_result_to_the_bit(rows, blocks, col_tiles, seed):
+    """Steps of up to 16 rows take the Q4_1 levels in four bits from the column groups'
+    records (d and m beside them), rebuilt as the bf16 tiles in L1: the same products and
+    scalings in the same order, so the same bits, at every shape (a last group of one or two
+    column tiles included)."""
     gen = torch.Generator().manual_seed(seed)
     packed = pack_amx_weight(q4_1_weight(col_tiles * 16, blocks * 32, gen))
     x = torch.randn(rows, blocks * 32, generator=gen)
     kernel = load_kernel()
-    from_nibbles = kernel.amx_linear_factored(x, packed.nibbles, packed.steps, packed.mins)
-    assert torch.equal(from_nibbles, kernel.amx_linear_factored(x, packed.tiles, packed.steps,
+    from_records = kernel.amx_linear_factored(x, packed.records, packed.steps, packed.mins)
+    assert torch.equal(from_records, kernel.amx_linear_factored(x, packed.tiles, packed.steps,
                                                             packed.mins))
-    assert torch.equal(amx_linear(x, packed), from_nibbles)
+    assert torch.equal(amx_linear(x, packed), from_records)
 
 
-def test_four_bit_levels_refuse_a_long_step():
+def test_four_bit_records_refuse_a_long_step():
     packed = pack_amx_weight(q4_1_weight(16, 32, torch.Generator().manual_seed(2)))
     with pytest.raises(RuntimeError, match="at most 16 rows"):
-        load_kernel().amx_linear_factored(torch.randn(17, 32), packed.nibbles, packed.steps,
+        load_kernel().amx_linear_factored(torch.randn(17, 32), packed.records, packed.steps,
                                       packed.mins)
 
 

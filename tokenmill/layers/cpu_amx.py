@@ -51,19 +51,20 @@ _NONE = torch.empty(0)
 
 @dataclass(frozen=True)
 class AmxWeight:
-    """A weight on the tiles, factored: Q4_1 levels (as bf16 tiles, and in four bits for
-    short steps) with their blocks' steps and minimums, or Q8_0 levels (bf16 tiles) and
-    steps; or (steps None) hi + lo bf16 tiles."""
+    """A weight on the tiles, factored: Q4_1 levels (as bf16 tiles) with their blocks' steps
+    and minimums, and for short steps the column groups' records (the levels in four bits
+    with the steps and minimums, one stream a group); or Q8_0 levels (bf16 tiles) and steps;
+    or (steps None) hi + lo bf16 tiles."""
     tiles: torch.Tensor
     steps: torch.Tensor | None = None
     mins: torch.Tensor | None = None      # Q4_1 only
-    nibbles: torch.Tensor | None = None   # Q4_1 only
+    records: torch.Tensor | None = None   # Q4_1 only
 
     def factored_operands(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """levels, steps and minimums (empty for Q8_0) for a step of `rows`: the four-bit
-        levels up to TILE_ROWS rows where there are some, the bf16 tiles otherwise."""
-        short = self.nibbles is not None and rows <= TILE_ROWS
-        return (self.nibbles if short else self.tiles, self.steps,
+        """levels, steps and minimums (empty for Q8_0) for a step of `rows`: the records up to
+        TILE_ROWS rows where there are some, the bf16 tiles otherwise."""
+        short = self.records is not None and rows <= TILE_ROWS
+        return (self.records if short else self.tiles, self.steps,
                 self.mins if self.mins is not None else _NONE)
 
     @property

@@ -66,6 +66,10 @@ constexpr int64_t kWTerms = 2;         // hi, lo of each weight
 constexpr int64_t kColGroup = 3;       // column tiles of a work item
 constexpr int64_t kL2Budget = 768 * 1024;  // split rows of a work item's row block
 constexpr int64_t kNibbleTile = kTile / 2;  // bytes of a tile of four-bit levels
+constexpr int64_t kScaleBytes = kCols * 4;    // a column tile's d (or m) of one block
+// Bytes of one block of a column group in the short steps' records: the group's four-bit level
+// tiles, then their d, then their m (GroupRecords).
+constexpr int64_t kGroupRecord = kColGroup * (kNibbleTile + 2 * kScaleBytes);
 
 #ifdef TOKENMILL_AMX
 // Linux hands out the tile state on request, once per process (arch_prctl).
@@ -209,12 +213,6 @@ void block_sums(const float* x, int64_t rows, int64_t k, float* sums) {
   });
 }
 
-// What the blocks' minimums add to y: the rows' block sums times the minimums (both null for
-// Q8_0 weights, which have none).
-struct MinTerms {
-  const float* sums;   // [rows, blocks]
-  const float* mins;   // [blocks, n]
-};
 
 // Q4_1 levels four bits each, in the tiles' VNNI order: byte j of a tile row i holds the levels
 // of column j at k = 2i (low nibble) and 2i + 1 (high), so a tile is 256 bytes, not 1 KB.
@@ -236,22 +234,58 @@ inline void expand_levels(const uint8_t* nibbles, uint16_t* out) {
   }
 }
 
-// Where a block's level tiles come from: the bf16 tiles in memory, or (steps of at most 16
-// rows, which stream them once) their four-bit form, rebuilt in L1. Streaming a quarter of
-// the bytes, a step that short is paced by its products and readouts instead of by memory.
-struct Bf16Levels {
-  const uint16_t* first;   // the work item's first column tile
+// Where a work item's block b comes from: its column tiles' levels (tile(j, b), bf16), their
+// steps d (d(j, b), 16 floats) and, for Q4_1, minimums m (m(j, b)); ahead(b) asks for the
+// blocks after b before they are needed.
+//
+// TiledLevels: the bf16 level tiles [col tiles, blocks, 512], d [col tiles, blocks, 16] and m
+// [blocks, n] as packed for long steps, whose row tiles read each block several times.
+struct TiledLevels {
+  const uint16_t* levels;  // the work item's first column tile
   int64_t stride;          // from one column tile to the next
-  const uint16_t* tile(int j, int64_t b) { return first + j * stride + b * kTile; }
+  const float* steps;      // the item's first column tile's d
+  int64_t blocks;
+  const float* mins;       // m of the item's first column, block 0 (null for Q8_0)
+  int64_t n;
+  const uint16_t* tile(int j, int64_t b) { return levels + j * stride + b * kTile; }
+  const float* d(int j, int64_t b) const { return steps + (j * blocks + b) * kCols; }
+  const float* m(int j, int64_t b) const { return mins + b * n + j * kCols; }
+  void ahead(int64_t) const {}   // their row tiles' passes keep the blocks in L2
 };
 
-struct FourBitLevels {
-  const uint8_t* first;
-  int64_t stride;
+// GroupRecords: a Q4_1 column group's blocks for steps of at most 16 rows, which stream each
+// once, as one run of records [blocks][kGroupRecord]: the four-bit levels (a quarter of the
+// bf16 tiles' bytes), rebuilt as bf16 tiles in L1, then d and m. With the levels, d and m in
+// three tensors an item read seven short streams (m's 12 KB apart a block), and in real
+// 16-row decode steps a layer's linears took 1.35x what the same calls took with their
+// weights just read into L2 (481 against ~355 us). One stream, asked for into L2
+// kAheadL2 blocks ahead and into L1 one block ahead: 435 us (docs/benchmarks.md,
+// forty-third session).
+struct GroupRecords {
+  const uint8_t* first;    // the group's block 0
+  int64_t blocks;
   alignas(64) uint16_t rebuilt[kColGroup][kTile];
+  const uint8_t* record(int64_t b) const { return first + b * kGroupRecord; }
   const uint16_t* tile(int j, int64_t b) {
-    expand_levels(first + j * stride + b * kNibbleTile, rebuilt[j]);
+    expand_levels(record(b) + j * kNibbleTile, rebuilt[j]);
     return rebuilt[j];
+  }
+  const float* d(int j, int64_t b) const {
+    return reinterpret_cast<const float*>(record(b) + kColGroup * kNibbleTile) + j * kCols;
+  }
+  const float* m(int j, int64_t b) const { return d(j, b) + kColGroup * kCols; }
+  static constexpr int64_t kAheadL2 = 6;
+  void ahead(int64_t b) const {
+    if (b == 0)   // the item's first blocks: nothing asked for them yet
+      for (int64_t next = 1; next < kAheadL2; ++next) fetch<_MM_HINT_T1>(next);
+    fetch<_MM_HINT_T1>(b + kAheadL2);
+    fetch<_MM_HINT_T0>(b + 1);
+  }
+  template <_mm_hint kHint>
+  void fetch(int64_t b) const {
+    if (b >= blocks) return;
+    const char* at = reinterpret_cast<const char*>(record(b));
+    for (int64_t line = 0; line < kGroupRecord; line += 64) _mm_prefetch(at + line, kHint);
   }
 };
 
@@ -266,22 +300,21 @@ struct FourBitLevels {
 // Xeon): 12-16 rows 1.03-1.05x, 32-48 1.07-1.08x, 128-256 1.09-1.12x, 768 0.99x (where the
 // tile loads and products set the pace); the Q8_0 lm_head (no m terms) 0.98-1.01x. The sums
 // are as accurate (about half the distance from float64 in that run), not bitwise the same.
-template <int kColTiles, typename Levels>
-void factored_row_block(const uint16_t* xs, Levels& levels, const float* steps,
-                        const MinTerms& min_terms, int64_t blocks, int64_t row0, int64_t rows,
-                        int64_t col0, float* y, int64_t n) {
+template <int kColTiles, typename Source>
+void factored_row_block(const uint16_t* xs, Source& source, const float* block_sums,
+                        int64_t blocks, int64_t row0, int64_t rows, int64_t col0, float* y,
+                        int64_t n) {
   constexpr int64_t kWidth = kColTiles * kCols;
   alignas(64) float acc[kRows][kWidth];
   alignas(64) float products[2][kRows][kWidth];
   const int64_t live = std::min(kRows, rows - row0);
   std::memset(acc, 0, sizeof acc);
   const uint16_t* a = xs + (row0 / kRows) * blocks * kXTerms * kTile;
-  const float* d0 = steps + (col0 / kCols) * blocks * kCols;
-  const float* sums = min_terms.sums != nullptr ? min_terms.sums + row0 * blocks : nullptr;
+  const float* sums = block_sums != nullptr ? block_sums + row0 * blocks : nullptr;
   auto scale_in = [&](int64_t b, float (*block)[kWidth]) {
 #pragma GCC unroll 3
     for (int j = 0; j < kColTiles; ++j) {
-      const __m512 d = _mm512_loadu_ps(d0 + (j * blocks + b) * kCols);
+      const __m512 d = _mm512_loadu_ps(source.d(j, b));
       if (sums == nullptr) {
         for (int64_t r = 0; r < live; ++r)
           _mm512_store_ps(&acc[r][j * kCols],
@@ -289,7 +322,7 @@ void factored_row_block(const uint16_t* xs, Levels& levels, const float* steps,
                                           _mm512_load_ps(&acc[r][j * kCols])));
         continue;
       }
-      const __m512 m = _mm512_loadu_ps(min_terms.mins + b * n + col0 + j * kCols);
+      const __m512 m = _mm512_loadu_ps(source.m(j, b));
       for (int64_t r = 0; r < live; ++r) {
         const __m512 with_min = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * blocks + b]), m,
                                                 _mm512_load_ps(&acc[r][j * kCols]));
@@ -299,12 +332,13 @@ void factored_row_block(const uint16_t* xs, Levels& levels, const float* steps,
     }
   };
   for (int64_t b = 0; b < blocks; ++b) {
+    source.ahead(b);
     _tile_zero(0);
     if (kColTiles > 1) _tile_zero(1);
     if (kColTiles > 2) _tile_zero(2);
-    _tile_loadd(4, levels.tile(0, b), 64);
-    if (kColTiles > 1) _tile_loadd(5, levels.tile(1, b), 64);
-    if (kColTiles > 2) _tile_loadd(6, levels.tile(2, b), 64);
+    _tile_loadd(4, source.tile(0, b), 64);
+    if (kColTiles > 1) _tile_loadd(5, source.tile(1, b), 64);
+    if (kColTiles > 2) _tile_loadd(6, source.tile(2, b), 64);
     x_terms_times_weights<kColTiles>(a + b * kXTerms * kTile, kXTerms);
     if (b > 0) scale_in(b - 1, products[(b - 1) % 2]);
     float (*out)[kWidth] = products[b % 2];
@@ -317,18 +351,17 @@ void factored_row_block(const uint16_t* xs, Levels& levels, const float* steps,
     std::memcpy(y + (row0 + r) * n + col0, acc[r], kWidth * 4);
 }
 
-// One work item's columns [col0, col0 + 16 cols) over rows [row0, row0 + 16), levels from
-// `levels` (Bf16Levels or FourBitLevels, pointed at the item's first column tile).
-template <typename Levels>
-void factored_item(const uint16_t* xs, Levels levels, const float* steps,
-                   const MinTerms& min_terms, int64_t blocks, int64_t row0, int64_t rows,
-                   int64_t col0, int64_t cols, float* y, int64_t n) {
+// One work item's columns [col0, col0 + 16 cols) over rows [row0, row0 + 16), its blocks from
+// `source` (TiledLevels or GroupRecords, pointed at the item's first column tile).
+template <typename Source>
+void factored_item(const uint16_t* xs, Source source, const float* sums, int64_t blocks,
+                   int64_t row0, int64_t rows, int64_t col0, int64_t cols, float* y, int64_t n) {
   if (cols == 3)
-    factored_row_block<3>(xs, levels, steps, min_terms, blocks, row0, rows, col0, y, n);
+    factored_row_block<3>(xs, source, sums, blocks, row0, rows, col0, y, n);
   else if (cols == 2)
-    factored_row_block<2>(xs, levels, steps, min_terms, blocks, row0, rows, col0, y, n);
+    factored_row_block<2>(xs, source, sums, blocks, row0, rows, col0, y, n);
   else
-    factored_row_block<1>(xs, levels, steps, min_terms, blocks, row0, rows, col0, y, n);
+    factored_row_block<1>(xs, source, sums, blocks, row0, rows, col0, y, n);
 }
 
 // Every (row tile, up to three column tiles) of y [rows, 16 col_tiles] in work items that keep
@@ -486,9 +519,10 @@ namespace {
 
 // W [N, K] of Format's values (as gemv_blocks rebuilds them, bit for bit) -> {levels [N / 16,
 // K / 32, 512] bf16 tiles (VNNI order), steps d [N / 16, K / 32, 16] fp32}, with Q4_1 also
-// {minimums m [K / 32, N] fp32, the levels again in four bits [N / 16, K / 32, 256] uint8 (for
-// steps of at most 16 rows)}; an empty list when some block is not of the format (or the
-// shape or the build does not allow the tiles).
+// {minimums m [K / 32, N] fp32, and for steps of at most 16 rows the column groups' records
+// [N / 48 rounded up, K / 32, kGroupRecord] uint8 (GroupRecords: the levels again in four
+// bits, d and m)}; an empty list when some block is not of the format (or the shape or the
+// build does not allow the tiles).
 template <typename Format>
 std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_minimums) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32,
@@ -501,13 +535,14 @@ std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_
   auto levels = torch::empty({col_tiles, blocks, amx::kTile}, torch::kBFloat16);
   auto steps = torch::empty({col_tiles, blocks, amx::kCols}, torch::kFloat32);
   auto mins = torch::empty({with_minimums ? blocks : 0, n}, torch::kFloat32);
-  auto nibbles = torch::zeros({with_minimums ? col_tiles : 0, blocks, amx::kNibbleTile},
+  const int64_t col_groups = (col_tiles + amx::kColGroup - 1) / amx::kColGroup;
+  auto records = torch::zeros({with_minimums ? col_groups : 0, blocks, amx::kGroupRecord},
                               torch::kUInt8);
   const float* wp = w.data_ptr<float>();
   auto* lp = reinterpret_cast<uint16_t*>(levels.data_ptr());
   float* dp = steps.data_ptr<float>();
   float* mp = mins.data_ptr<float>();
-  uint8_t* np = nibbles.data_ptr<uint8_t>();
+  uint8_t* rp = records.data_ptr<uint8_t>();
   std::atomic<bool> exact{true};
   at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
     float scales[2];
@@ -520,18 +555,24 @@ std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_
         }
         const int64_t tile = row / amx::kCols * blocks + b, col = row % amx::kCols;
         dp[tile * amx::kCols + col] = scales[0];
-        if (with_minimums) mp[b * n + row] = scales[1];
-        for (int64_t c = 0; c < amx::kSteps; ++c) {   // VNNI order, as pack_amx_weight
+        for (int64_t c = 0; c < amx::kSteps; ++c)   // VNNI order, as pack_amx_weight
           lp[tile * amx::kTile + (c / 2) * 2 * amx::kCols + col * 2 + c % 2] =
               amx::bf16_bits(static_cast<float>(q[c]));
-          if (with_minimums)
-            np[tile * amx::kNibbleTile + (c / 2) * amx::kCols + col] |= q[c] << (4 * (c % 2));
-        }
+        if (!with_minimums) continue;
+        mp[b * n + row] = scales[1];
+        // The group's record of block b: four-bit tile j, then the d of every tile, then m.
+        const int64_t j = row / amx::kCols % amx::kColGroup;
+        uint8_t* record = rp + (row / amx::kCols / amx::kColGroup * blocks + b) * amx::kGroupRecord;
+        for (int64_t c = 0; c < amx::kSteps; ++c)
+          record[j * amx::kNibbleTile + (c / 2) * amx::kCols + col] |= q[c] << (4 * (c % 2));
+        float* scale_at = reinterpret_cast<float*>(record + amx::kColGroup * amx::kNibbleTile);
+        scale_at[j * amx::kCols + col] = scales[0];
+        scale_at[(amx::kColGroup + j) * amx::kCols + col] = scales[1];
       }
   });
   if (!exact) return {};
   if (!with_minimums) return {levels, steps};
-  return {levels, steps, mins, nibbles};
+  return {levels, steps, mins, records};
 #else
   return {};
 #endif
@@ -550,22 +591,26 @@ std::vector<torch::Tensor> pack_amx_q8_0(torch::Tensor weight) {
 
 namespace {
 
-// levels: bf16 tiles, or (for at most 16 rows) their four-bit form; mins empty for Q8_0.
+// levels: bf16 tiles, or (for at most 16 rows, Q4_1) the column groups' records; mins empty
+// for Q8_0. steps and mins as packed, records or not: they give the shape.
 void check_factored(int64_t rows, int64_t k, const torch::Tensor& levels,
                     const torch::Tensor& steps, const torch::Tensor& mins) {
-  const bool nibbles = levels.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(!nibbles || rows <= amx::kRows,
-              "amx_linear_factored: four-bit levels take at most 16 rows");
-  TORCH_CHECK(levels.dim() == 3 && levels.is_contiguous() &&
-                  levels.scalar_type() == (nibbles ? torch::kUInt8 : torch::kBFloat16) &&
-                  levels.size(2) == (nibbles ? amx::kNibbleTile : amx::kTile) &&
-                  levels.size(1) * amx::kSteps == k && steps.is_contiguous() &&
-                  steps.scalar_type() == torch::kFloat32 &&
-                  steps.sizes() ==
-                      torch::IntArrayRef({levels.size(0), levels.size(1), amx::kCols}) &&
+  const bool records = levels.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(!records || (rows <= amx::kRows && mins.numel() > 0),
+              "amx_linear_factored: four-bit records take Q4_1 steps of at most 16 rows");
+  TORCH_CHECK(steps.dim() == 3 && steps.is_contiguous() &&
+                  steps.scalar_type() == torch::kFloat32 && steps.size(2) == amx::kCols &&
+                  steps.size(1) * amx::kSteps == k && levels.dim() == 3 &&
+                  levels.is_contiguous() &&
+                  levels.sizes() ==
+                      (records ? torch::IntArrayRef({(steps.size(0) + amx::kColGroup - 1) /
+                                                         amx::kColGroup,
+                                                     steps.size(1), amx::kGroupRecord})
+                               : torch::IntArrayRef({steps.size(0), steps.size(1), amx::kTile})) &&
+                  (records || levels.scalar_type() == torch::kBFloat16) &&
                   mins.scalar_type() == torch::kFloat32 &&
                   (mins.numel() == 0 || mins.sizes() == torch::IntArrayRef(
-                                            {levels.size(1), levels.size(0) * amx::kCols})),
+                                            {steps.size(1), steps.size(0) * amx::kCols})),
               "amx_linear_factored: weight tiles do not match x");
 }
 
@@ -579,41 +624,42 @@ void amx_linear_factored_into(const float* x, int64_t rows, int64_t k, const tor
   check_factored(rows, k, levels, steps, mins);
 #ifdef TOKENMILL_AMX
   TORCH_CHECK(amx_available(), "amx_linear_factored: this process may not use the AMX tiles");
-  const int64_t blocks = k / amx::kSteps, col_tiles = levels.size(0), n = col_tiles * amx::kCols;
+  const int64_t blocks = k / amx::kSteps, col_tiles = steps.size(0), n = col_tiles * amx::kCols;
   if (rows == 0) return;
   const float* dp = steps.data_ptr<float>();
   const float* mp = mins.numel() ? mins.data_ptr<float>() : nullptr;
+  const int64_t stride = blocks * amx::kTile;
+  // The bf16 tiles from the item's first column (col0).
+  auto tiled = [&, lp = reinterpret_cast<const uint16_t*>(levels.data_ptr())](int64_t col0) {
+    return amx::TiledLevels{lp + col0 / amx::kCols * stride, stride,
+                            dp + col0 / amx::kCols * blocks * amx::kCols, blocks,
+                            mp != nullptr ? mp + col0 : nullptr, n};
+  };
   if (rows <= amx::kRows) {
-    auto each_item = [&](auto levels_at) {
-      amx::for_each_short_tile(
-          x, rows, k, mp != nullptr, col_tiles,
-          [&](const amx::ShortStep& step, int64_t col0, int64_t cols) {
-            amx::factored_item(step.xs, levels_at(col0 / amx::kCols), dp,
-                               amx::MinTerms{step.sums, mp}, blocks, 0, rows, col0, cols, y, n);
-          });
-    };
-    if (levels.scalar_type() == torch::kUInt8) {
-      const uint8_t* np = levels.data_ptr<uint8_t>();
-      const int64_t stride = blocks * amx::kNibbleTile;
-      return each_item([&](int64_t tile) { return amx::FourBitLevels{np + tile * stride, stride}; });
-    }
-    const auto* lp = reinterpret_cast<const uint16_t*>(levels.data_ptr());
-    const int64_t stride = blocks * amx::kTile;
-    return each_item([&](int64_t tile) { return amx::Bf16Levels{lp + tile * stride, stride}; });
+    const bool records = levels.scalar_type() == torch::kUInt8;
+    const uint8_t* record_base = records ? levels.data_ptr<uint8_t>() : nullptr;
+    amx::for_each_short_tile(
+        x, rows, k, mp != nullptr, col_tiles,
+        [&](const amx::ShortStep& step, int64_t col0, int64_t cols) {
+          if (!records)
+            return amx::factored_item(step.xs, tiled(col0), step.sums, blocks, 0, rows, col0,
+                                      cols, y, n);
+          const int64_t group = col0 / amx::kCols / amx::kColGroup;
+          amx::factored_item(step.xs,
+                             amx::GroupRecords{record_base +
+                                                   group * blocks * amx::kGroupRecord,
+                                               blocks},
+                             step.sums, blocks, 0, rows, col0, cols, y, n);
+        });
+    return;
   }
   auto sums = torch::empty({mp != nullptr ? rows : 0, blocks}, torch::kFloat32);
-  amx::MinTerms min_terms{nullptr, nullptr};
-  if (mp != nullptr) {
-    amx::block_sums(x, rows, k, sums.data_ptr<float>());
-    min_terms = {sums.data_ptr<float>(), mp};
-  }
+  if (mp != nullptr) amx::block_sums(x, rows, k, sums.data_ptr<float>());
   auto xs = amx::split_input(x, rows, k);
   const auto* xsp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
-  const auto* lp = reinterpret_cast<const uint16_t*>(levels.data_ptr());
-  const int64_t stride = blocks * amx::kTile;
+  const float* sp = mp != nullptr ? sums.data_ptr<float>() : nullptr;
   amx::for_each_tile(rows, k, col_tiles, [&](int64_t row0, int64_t col0, int64_t cols) {
-    amx::factored_item(xsp, amx::Bf16Levels{lp + col0 / amx::kCols * stride, stride}, dp,
-                       min_terms, blocks, row0, rows, col0, cols, y, n);
+    amx::factored_item(xsp, tiled(col0), sp, blocks, row0, rows, col0, cols, y, n);
   });
 #else
   TORCH_CHECK(false, "amx_linear_factored: this build has no AMX tiles");
@@ -626,7 +672,7 @@ torch::Tensor amx_linear_factored(torch::Tensor x, torch::Tensor levels, torch::
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "amx_linear_factored: a contiguous 2-D float32 input");
   check_factored(x.size(0), x.size(1), levels, steps, mins);
-  auto y = torch::empty({x.size(0), levels.size(0) * amx::kCols}, x.options());
+  auto y = torch::empty({x.size(0), steps.size(0) * amx::kCols}, x.options());
   amx_linear_factored_into(x.data_ptr<float>(), x.size(0), x.size(1), levels, steps, mins,
                        y.data_ptr<float>());
   return y;

@@ -33,8 +33,11 @@ AMX_MIN_ROWS = 80
 AMX_Q4_1_MIN_ROWS = 12
 # Q8_0 weights (the default model's tied lm_head, 49152 x 576) against the compact Q8_0
 # panels, medians of 21 alternating calls, thirtieth session: M = 4: 0.52x, 8: 0.99x, 12:
-# 1.34x, 16: 1.80x, 32: 1.79x, 64: 1.94x.
-AMX_Q8_0_MIN_ROWS = 12
+# 1.34x, 16: 1.80x, 32: 1.79x, 64: 1.94x. On the 400 GFLOP/s Xeon (forty-third session), with
+# the caches flushed between calls as a decode step's other reads flush them, medians of 25:
+# 11 rows 3.22 ms on the tiles against 2.71 on the panels, 12 rows 3.32 against 2.93, 13 rows
+# 3.36 against 4.01 (a second row group); warm, 12 rows were even (2.65, 2.67).
+AMX_Q8_0_MIN_ROWS = 13
 
 KERNEL = CpuExtension("tokenmill_cpu_amx", Path(__file__).with_name("cpu_amx_kernel.cpp"),
                       ["amx_available", "pack_amx_weight", "amx_linear", "pack_amx_q4_1",

@@ -163,8 +163,8 @@ struct GroupScratch {
   }
 };
 
-// The calling thread's scratch, kept from call to call: built anew (allocated and zeroed) for
-// every call of every layer, it cost ~10 us a call on each thread.
+// The calling thread's scratch, kept from call to call rather than built anew (allocated and
+// zeroed) at every call of every layer of every step.
 GroupScratch& kept_scratch(const Shape& s, int64_t pass) {
   thread_local std::unique_ptr<GroupScratch> kept;
   if (kept == nullptr || !kept->fits(s, pass)) kept = std::make_unique<GroupScratch>(s, pass);

@@ -213,7 +213,6 @@ void block_sums(const float* x, int64_t rows, int64_t k, float* sums) {
   });
 }
 
-
 // Q4_1 levels four bits each, in the tiles' VNNI order: byte j of a tile row i holds the levels
 // of column j at k = 2i (low nibble) and 2i + 1 (high), so a tile is 256 bytes, not 1 KB.
 // A tile of levels from its nibbles, as bf16 (16 rows of 32), into `out`: each byte widened to
@@ -257,8 +256,8 @@ struct TiledLevels {
 // once, as one run of records [blocks][kGroupRecord]: the four-bit levels (a quarter of the
 // bf16 tiles' bytes), rebuilt as bf16 tiles in L1, then d and m. With the levels, d and m in
 // three tensors an item read seven short streams (m's 12 KB apart a block), and in real
-// 16-row decode steps a layer's linears took 1.35x what the same calls took with their
-// weights just read into L2 (481 against ~355 us). One stream, asked for into L2
+// 16-row decode steps a layer's linears took 1.45x what the same calls took with their
+// weights just read into L2 (481 against ~330 us). One stream, asked for into L2
 // kAheadL2 blocks ahead and into L1 one block ahead: 435 us (docs/benchmarks.md,
 // forty-third session).
 struct GroupRecords {

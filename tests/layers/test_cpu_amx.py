@@ -161,3 +161,25 @@ def test_kernel_lets_other_threads_run(kind):
     x = torch.randn(1024, 1024, generator=gen)
     duration, stall = longest_stall_beside(lambda: [amx_linear(x, packed) for _ in range(3)])
     assert stall < duration / 4, (stall, duration)
+
+
+@pytest.mark.parametrize("kind", sorted(WEIGHTS))
+@pytest.mark.parametrize("rows, inputs", [(700, 1536), (333, 576), (40, 96)])
+def test_every_thread_count_gives_the_same_bits(kind, rows, inputs):
+    """Long steps share their row blocks out among the threads, each splitting its own rows
+    and taking the others' last items when done: every (row tile, column group) is computed
+    once, from its own rows, whatever the thread count."""
+    gen = torch.Generator().manual_seed(rows + inputs)
+    weight = WEIGHTS[kind](576, inputs, gen)
+    packed = pack_amx_weight(weight)
+    x = torch.randn(rows, inputs, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outputs.append(amx_linear(x, packed))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+    assert max_error(outputs[0], x, weight) <= 2 * max_error(F.linear(x, weight), x, weight) + 1e-6

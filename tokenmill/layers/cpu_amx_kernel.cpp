@@ -119,27 +119,31 @@ inline __m512 widen(__m256bh h) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(h)), 16));
 }
 
-// Rows [0, rows) of x [rows, K] into xs [row tiles][K / 32][3][16 x 32] (rows up to the
-// next multiple of 16 zero), each value as hi + mid + lo.
-void split_rows(const float* x, int64_t rows, int64_t k, uint16_t* xs) {
+// Row tiles [first, last) of x [rows, K] into xs [last - first][K / 32][3][16 x 32] (rows
+// past `rows` zero), each value as hi + mid + lo, on the calling thread.
+void split_row_tiles(const float* x, int64_t rows, int64_t k, int64_t first, int64_t last,
+                     uint16_t* xs) {
   const int64_t blocks = k / kSteps;
-  at::parallel_for(0, (rows + kRows - 1) / kRows, 1, [&](int64_t first, int64_t last) {
-    for (int64_t r = first * kRows; r < last * kRows; ++r)
-      for (int64_t c = 0; c < k; c += 16) {
-        const __m512 v = r < rows ? _mm512_loadu_ps(x + r * k + c) : _mm512_setzero_ps();
-        const __m256bh hi = _mm512_cvtneps_pbh(v);
-        const __m512 rest = _mm512_sub_ps(v, widen(hi));
-        const __m256bh mid = _mm512_cvtneps_pbh(rest);
-        const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(rest, widen(mid)));
-        uint16_t* out = xs + ((r / kRows * blocks + c / kSteps) * kXTerms) * kTile +
-                        (r % kRows) * kSteps + c % kSteps;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(hi));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kTile),
-                            reinterpret_cast<__m256i>(mid));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * kTile),
-                            reinterpret_cast<__m256i>(lo));
-      }
-  });
+  for (int64_t r = first * kRows; r < last * kRows; ++r)
+    for (int64_t c = 0; c < k; c += 16) {
+      const __m512 v = r < rows ? _mm512_loadu_ps(x + r * k + c) : _mm512_setzero_ps();
+      const __m256bh hi = _mm512_cvtneps_pbh(v);
+      const __m512 rest = _mm512_sub_ps(v, widen(hi));
+      const __m256bh mid = _mm512_cvtneps_pbh(rest);
+      const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(rest, widen(mid)));
+      uint16_t* out = xs + (((r / kRows - first) * blocks + c / kSteps) * kXTerms) * kTile +
+                      (r % kRows) * kSteps + c % kSteps;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(hi));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kTile),
+                          reinterpret_cast<__m256i>(mid));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * kTile),
+                          reinterpret_cast<__m256i>(lo));
+    }
+}
+
+// All rows of x (one row tile for the short steps' ShortStep).
+void split_rows(const float* x, int64_t rows, int64_t k, uint16_t* xs) {
+  split_row_tiles(x, rows, k, 0, (rows + kRows - 1) / kRows, xs);
 }
 
 // The first `count` of a block's x terms (tiles 3 and 7 in turn, so that a load overlaps the
@@ -164,15 +168,14 @@ __attribute__((always_inline)) inline void x_terms_times_weights(const uint16_t*
 
 // y rows [row0, row0 + 16) x columns [col0, col0 + 16 kColTiles), over all k: x tiles (3 and
 // 7 in turn) against up to three weight tiles (4-6) into accumulators 0-2. x.lo * w.lo is
-// left out (t = 1 takes x.hi and x.mid only).
+// left out (t = 1 takes x.hi and x.mid only). `a`: the row tile's split terms [K / 32][3][512].
 template <int kColTiles>
-void row_block(const uint16_t* xs, const uint16_t* w, int64_t blocks, int64_t row0,
+void row_block(const uint16_t* a, const uint16_t* w, int64_t blocks, int64_t row0,
                int64_t rows, int64_t col0, float* y, int64_t n) {
   _tile_zero(0);
   if (kColTiles > 1) _tile_zero(1);
   if (kColTiles > 2) _tile_zero(2);
   const int64_t w_tile_stride = blocks * kWTerms * kTile;
-  const uint16_t* a = xs + (row0 / kRows) * blocks * kXTerms * kTile;
   const uint16_t* w0 = w + (col0 / kCols) * w_tile_stride;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint16_t* ab = a + b * kXTerms * kTile;
@@ -300,7 +303,7 @@ struct GroupRecords {
 // tile loads and products set the pace); the Q8_0 lm_head (no m terms) 0.98-1.01x. The sums
 // are as accurate (about half the distance from float64 in that run), not bitwise the same.
 template <int kColTiles, typename Source>
-void factored_row_block(const uint16_t* xs, Source& source, const float* block_sums,
+void factored_row_block(const uint16_t* a, Source& source, const float* block_sums,
                         int64_t blocks, int64_t row0, int64_t rows, int64_t col0, float* y,
                         int64_t n) {
   constexpr int64_t kWidth = kColTiles * kCols;
@@ -308,7 +311,6 @@ void factored_row_block(const uint16_t* xs, Source& source, const float* block_s
   alignas(64) float products[2][kRows][kWidth];
   const int64_t live = std::min(kRows, rows - row0);
   std::memset(acc, 0, sizeof acc);
-  const uint16_t* a = xs + (row0 / kRows) * blocks * kXTerms * kTile;
   const float* sums = block_sums != nullptr ? block_sums + row0 * blocks : nullptr;
   auto scale_in = [&](int64_t b, float (*block)[kWidth]) {
 #pragma GCC unroll 3
@@ -351,34 +353,67 @@ void factored_row_block(const uint16_t* xs, Source& source, const float* block_s
 }
 
 // One work item's columns [col0, col0 + 16 cols) over rows [row0, row0 + 16), its blocks from
-// `source` (TiledLevels or GroupRecords, pointed at the item's first column tile).
+// `source` (TiledLevels or GroupRecords, pointed at the item's first column tile); `a` the row
+// tile's split terms.
 template <typename Source>
-void factored_item(const uint16_t* xs, Source source, const float* sums, int64_t blocks,
+void factored_item(const uint16_t* a, Source source, const float* sums, int64_t blocks,
                    int64_t row0, int64_t rows, int64_t col0, int64_t cols, float* y, int64_t n) {
   if (cols == 3)
-    factored_row_block<3>(xs, source, sums, blocks, row0, rows, col0, y, n);
+    factored_row_block<3>(a, source, sums, blocks, row0, rows, col0, y, n);
   else if (cols == 2)
-    factored_row_block<2>(xs, source, sums, blocks, row0, rows, col0, y, n);
+    factored_row_block<2>(a, source, sums, blocks, row0, rows, col0, y, n);
   else
-    factored_row_block<1>(xs, source, sums, blocks, row0, rows, col0, y, n);
+    factored_row_block<1>(a, source, sums, blocks, row0, rows, col0, y, n);
 }
 
-// Every (row tile, up to three column tiles) of y [rows, 16 col_tiles] in work items that keep
-// a block of split rows in L2: fn(row0, col0, column tiles).
+// A thread's tiles and the split rows of the row block it last took (kept between calls).
+struct LongSteps {
+  TileSession session;
+  std::vector<uint16_t>& split;
+  int64_t block = -1;
+  explicit LongSteps(int64_t size) : split(buffer()) {
+    if (static_cast<int64_t>(split.size()) < size) split.resize(size);
+  }
+  static std::vector<uint16_t>& buffer() {
+    thread_local std::vector<uint16_t> kept;
+    return kept;
+  }
+};
+
+// Every (row tile, up to three column tiles) of y [rows, 16 col_tiles] = x [rows, k] @ W^T in
+// work items that keep a block of split rows in L2: fn(a, row0, col0, column tiles), `a` the
+// split terms of the row tile at row0. The row blocks are shared out among
+// the threads, each splitting its own (kernels/work_sharing.h's owned items): split up front
+// by both threads, half of every block's terms were written by the other core, which on the
+// 2-core VM reads a core's fresh lines several times slower than its own (see ShortStep); split
+// by every thread that took one of its column groups, each thread split all of x.
 template <typename Fn>
-void for_each_tile(int64_t rows, int64_t k, int64_t col_tiles, const Fn& fn) {
+void for_each_tile(const float* x, int64_t rows, int64_t k, int64_t col_tiles, const Fn& fn) {
   const int64_t row_tiles = (rows + kRows - 1) / kRows;
-  const int64_t tiles_per_block = std::max<int64_t>(1, kL2Budget / (kRows * k * kXTerms * 2));
+  const int64_t tile_terms = k / kSteps * kXTerms * kTile;
+  const int64_t threads = at::get_num_threads();
+  const int64_t most_per_block = std::max<int64_t>(1, kL2Budget / (tile_terms * 2));
+  // row blocks a multiple of the threads, each within the L2 budget
+  const int64_t rounds = (row_tiles + threads * most_per_block - 1) / (threads * most_per_block);
+  const int64_t tiles_per_block = std::max<int64_t>(
+      1, (row_tiles + threads * rounds - 1) / (threads * rounds));
   const int64_t row_blocks = (row_tiles + tiles_per_block - 1) / tiles_per_block;
   const int64_t col_groups = (col_tiles + kColGroup - 1) / kColGroup;
-  tokenmill_parallel::parallel_chunks_with(
-      row_blocks * col_groups, 1, [] { return std::make_unique<TileSession>(); },
-      [&](const std::unique_ptr<TileSession>&, int64_t item, int64_t) {
-        const int64_t first_col = item % col_groups * kColGroup;
+  tokenmill_parallel::parallel_owned_items(
+      row_blocks * col_groups,
+      [&] { return std::make_unique<LongSteps>(tiles_per_block * tile_terms); },
+      [&](const std::unique_ptr<LongSteps>& steps, int64_t item) {
+        const int64_t block = item / col_groups, first_col = item % col_groups * kColGroup;
         const int64_t cols = std::min(kColGroup, col_tiles - first_col);
-        const int64_t first = item / col_groups * tiles_per_block;
-        for (int64_t tile = first; tile < std::min(row_tiles, first + tiles_per_block); ++tile)
-          fn(tile * kRows, first_col * kCols, cols);
+        const int64_t first = block * tiles_per_block;
+        const int64_t last = std::min(row_tiles, first + tiles_per_block);
+        if (steps->block != block) {
+          split_row_tiles(x, rows, k, first, last, steps->split.data());
+          steps->block = block;
+        }
+        for (int64_t tile = first; tile < last; ++tile)
+          fn(steps->split.data() + (tile - first) * tile_terms, tile * kRows, first_col * kCols,
+             cols);
       });
 }
 
@@ -424,13 +459,6 @@ void for_each_short_tile(const float* x, int64_t rows, int64_t k, bool with_sums
       });
 }
 
-// x [rows, k] split into three bf16 numbers a value, in row tiles (split_rows).
-torch::Tensor split_input(const float* x, int64_t rows, int64_t k) {
-  auto xs = torch::empty({(rows + kRows - 1) / kRows, k / kSteps, kXTerms, kTile},
-                         torch::kBFloat16);
-  split_rows(x, rows, k, reinterpret_cast<uint16_t*>(xs.data_ptr()));
-  return xs;
-}
 #endif
 
 }  // namespace amx
@@ -496,17 +524,16 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
   const int64_t col_tiles = packed.size(0), n = col_tiles * amx::kCols;
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  auto xs = amx::split_input(x.data_ptr<float>(), rows, x.size(1));
-  const auto* xsp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   float* yp = y.data_ptr<float>();
-  amx::for_each_tile(rows, x.size(1), col_tiles, [&](int64_t row0, int64_t col0, int64_t cols) {
+  amx::for_each_tile(x.data_ptr<float>(), rows, x.size(1), col_tiles,
+                     [&](const uint16_t* a, int64_t row0, int64_t col0, int64_t cols) {
     if (cols == 3)
-      amx::row_block<3>(xsp, wp, blocks, row0, rows, col0, yp, n);
+      amx::row_block<3>(a, wp, blocks, row0, rows, col0, yp, n);
     else if (cols == 2)
-      amx::row_block<2>(xsp, wp, blocks, row0, rows, col0, yp, n);
+      amx::row_block<2>(a, wp, blocks, row0, rows, col0, yp, n);
     else
-      amx::row_block<1>(xsp, wp, blocks, row0, rows, col0, yp, n);
+      amx::row_block<1>(a, wp, blocks, row0, rows, col0, yp, n);
   });
   return y;
 #else
@@ -654,11 +681,10 @@ void amx_linear_factored_into(const float* x, int64_t rows, int64_t k, const tor
   }
   auto sums = torch::empty({mp != nullptr ? rows : 0, blocks}, torch::kFloat32);
   if (mp != nullptr) amx::block_sums(x, rows, k, sums.data_ptr<float>());
-  auto xs = amx::split_input(x, rows, k);
-  const auto* xsp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
   const float* sp = mp != nullptr ? sums.data_ptr<float>() : nullptr;
-  amx::for_each_tile(rows, k, col_tiles, [&](int64_t row0, int64_t col0, int64_t cols) {
-    amx::factored_item(xsp, tiled(col0), sp, blocks, row0, rows, col0, cols, y, n);
+  amx::for_each_tile(x, rows, k, col_tiles,
+                     [&](const uint16_t* a, int64_t row0, int64_t col0, int64_t cols) {
+    amx::factored_item(a, tiled(col0), sp, blocks, row0, rows, col0, cols, y, n);
   });
 #else
   TORCH_CHECK(false, "amx_linear_factored: this build has no AMX tiles");

@@ -86,28 +86,36 @@ def test_bf16_and_q4_1_weights_are_taken_and_exact():
 
 
 @settings(max_examples=25, deadline=None)
-@given(rows=st.integers(1, 16), blocks=st.integers(1, 12), col_tiles=st.integers(1, 8),
+@given(rows=st.integers(1, 300), blocks=st.integers(1, 12), col_tiles=st.integers(1, 8),
        seed=st.integers(0, 2**16))
 def test_four_bit_records_give_the_bf16_tiles_result_to_the_bit(rows, blocks, col_tiles, seed):
-    """Steps of up to 16 rows take the Q4_1 levels in four bits from the column groups'
-    records (d and m beside them), rebuilt as the bf16 tiles in L1: the same products and
-    scalings in the same order, so the same bits, at every shape (a last group of one or two
-    column tiles included)."""
+    """Q4_1 steps of every size take the levels in four bits from the column groups' records
+    (d and m beside them), rebuilt as the bf16 tiles in L1: the same products and scalings in
+    the same order as from bf16 level tiles (packed only on request, as this oracle), so the
+    same bits, at every shape (a last group of one or two column tiles, a partial row tile,
+    runs of row tiles sharing a block's levels included)."""
     gen = torch.Generator().manual_seed(seed)
-    packed = pack_amx_weight(q4_1_weight(col_tiles * 16, blocks * 32, gen))
+    weight = q4_1_weight(col_tiles * 16, blocks * 32, gen)
+    packed = pack_amx_weight(weight)
+    assert packed.tiles.numel() == 0   # Q4_1 keeps its records only
     x = torch.randn(rows, blocks * 32, generator=gen)
     kernel = load_kernel()
-    from_records = kernel.amx_linear_factored(x, packed.records, packed.steps, packed.mins)
-    assert torch.equal(from_records, kernel.amx_linear_factored(x, packed.tiles, packed.steps,
-                                                            packed.mins))
-    assert torch.equal(amx_linear(x, packed), from_records)
+    tiles, steps, mins, _ = kernel.pack_amx_q4_1(weight, True)
+    from_records = amx_linear(x, packed)
+    assert torch.equal(from_records, kernel.amx_linear_factored(x, tiles, steps, mins))
 
 
-def test_four_bit_records_refuse_a_long_step():
-    packed = pack_amx_weight(q4_1_weight(16, 32, torch.Generator().manual_seed(2)))
-    with pytest.raises(RuntimeError, match="at most 16 rows"):
-        load_kernel().amx_linear_factored(torch.randn(17, 32), packed.records, packed.steps,
-                                      packed.mins)
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(17, 300), seed=st.integers(0, 2**16))
+def test_a_row_gets_the_same_bits_in_every_step(rows, seed):
+    """A Q4_1 row's output does not depend on the step around it: each row's products and
+    readouts are its own, from one row up to a long step's row tiles."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = pack_amx_weight(q4_1_weight(96, 128, gen))
+    x = torch.randn(rows, 128, generator=gen)
+    whole = amx_linear(x, packed)
+    for first, last in ((0, 1), (rows - 16, rows), (rows // 2, rows // 2 + 40)):
+        assert torch.equal(amx_linear(x[first:last].contiguous(), packed), whole[first:last])
 
 
 @pytest.mark.parametrize("weight", [

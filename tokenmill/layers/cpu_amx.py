@@ -2,9 +2,9 @@
 weights, decode steps of 12 rows or more; see cpu_amx_kernel.cpp.
 
 Weights that are exactly GGUF Q4_1 values (d q + m a block of 32 inputs) are kept as their
-levels in bf16 tiles (and in four bits, for steps of up to 16 rows) with each block's d and
-m (the factored form, three tile products a block), Q8_0 values (d q) as their levels and
-d; other weights that are exactly two bf16 numbers each (hi + lo: fp16 or bf16 checkpoints)
+levels in four bits, with each block's d and m, in one run of records a column group (rebuilt
+as bf16 tiles in L1: the factored form, three tile products a block), Q8_0 values (d q) as
+their levels in bf16 tiles and d; other weights that are exactly two bf16 numbers each (hi + lo: fp16 or bf16 checkpoints)
 as hi and lo tiles (five). The step's input is split into three bf16 numbers a value, and
 the tile unit sums exact products in fp32: as accurate as an fp32 GEMM, in another order.
 Other weights, and CPUs without AMX, keep oneDNN.
@@ -45,29 +45,23 @@ KERNEL = CpuExtension("tokenmill_cpu_amx", Path(__file__).with_name("cpu_amx_ker
                       "oneDNN for long steps", headers=(ENTRY_POINTS, WORK_SHARING, BLOCK_FORMATS))
 
 
-# The most rows one row of tiles holds: steps this short take the Q4_1 levels in four bits.
-TILE_ROWS = 16
-
-
 _NONE = torch.empty(0)
 
 
 @dataclass(frozen=True)
 class AmxWeight:
-    """A weight on the tiles, factored: Q4_1 levels (as bf16 tiles) with their blocks' steps
-    and minimums, and for short steps the column groups' records (the levels in four bits
-    with the steps and minimums, one stream a group); or Q8_0 levels (bf16 tiles) and steps;
-    or (steps None) hi + lo bf16 tiles."""
+    """A weight on the tiles, factored: Q4_1's column groups' records (the levels in four bits
+    with their blocks' steps and minimums, one stream a group; `tiles` empty), with the steps
+    and minimums also apart (they give the kernel the shape); or Q8_0 levels (bf16 tiles) and
+    steps; or (steps None) hi + lo bf16 tiles."""
     tiles: torch.Tensor
     steps: torch.Tensor | None = None
     mins: torch.Tensor | None = None      # Q4_1 only
     records: torch.Tensor | None = None   # Q4_1 only
 
-    def factored_operands(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """levels, steps and minimums (empty for Q8_0) for a step of `rows`: the records up to
-        TILE_ROWS rows where there are some, the bf16 tiles otherwise."""
-        short = self.records is not None and rows <= TILE_ROWS
-        return (self.records if short else self.tiles, self.steps,
+    def factored_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """levels (Q4_1's records, Q8_0's bf16 tiles), steps and minimums (empty for Q8_0)."""
+        return (self.records if self.records is not None else self.tiles, self.steps,
                 self.mins if self.mins is not None else _NONE)
 
     @property
@@ -91,7 +85,8 @@ def pack_amx_weight(weight: torch.Tensor, factored: bool = True) -> AmxWeight | 
     kernel = load_kernel()
     if kernel is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
-    for pack in (kernel.pack_amx_q4_1, kernel.pack_amx_q8_0) if factored else ():
+    packers = (lambda w: kernel.pack_amx_q4_1(w, False), kernel.pack_amx_q8_0)
+    for pack in packers if factored else ():
         if parts := pack(weight):
             return AmxWeight(*parts)
     packed = kernel.pack_amx_weight(weight)
@@ -102,5 +97,5 @@ def amx_linear(x: torch.Tensor, weight: AmxWeight) -> torch.Tensor:
     """x [M, K] (contiguous fp32) @ the packed weight's [N, K]^T."""
     kernel = load_kernel()
     if weight.steps is not None:
-        return kernel.amx_linear_factored(x, *weight.factored_operands(x.shape[0]))
+        return kernel.amx_linear_factored(x, *weight.factored_operands())
     return kernel.amx_linear(x, weight.tiles)

@@ -29,12 +29,15 @@
 // (twenty-ninth session): 1.42x while the VM's tile unit ran slow, 1.0-1.15x while it ran
 // fast (then tile loads and the readouts, not the products, set the pace).
 //
-// Decode steps of up to 16 rows (the C++ decode loop calls amx_linear_factored_into) configure the
-// accumulators and x tiles for their rows only and read the levels in four bits, rebuilt as
-// bf16 tiles in L1 a block at a time (expand_levels). SmolLM2's 120 layer linears, thirtieth
-// session, medians of 9: 16 rows 13.95 ms against 15.09 from the bf16 tiles and 15.61 from
-// the compact panels; 12 rows 12.62, 13.76, 12.71; 8 rows 10.84, 13.14, 9.46 (the panels
-// keep those). The products and readouts of each block, not the weight bytes, set that pace.
+// Q4_1 steps of every size read the levels in four bits, rebuilt as bf16 tiles in L1 a block at
+// a time (expand_levels). Decode steps of up to 16 rows (the C++ decode loop calls
+// amx_linear_factored_into) configure the accumulators and x tiles for their rows only.
+// SmolLM2's 120 layer linears, thirtieth session, medians of 9: 16 rows 13.95 ms against 15.09
+// from the bf16 tiles and 15.61 from the compact panels; 12 rows 12.62, 13.76, 12.71; 8 rows
+// 10.84, 13.14, 9.46 (the panels keep those). Longer steps rebuild a block's levels once for a
+// run of up to kTileRun row tiles: 30 layers' GEMMs at 512 rows with cold weights, alternating
+// processes (forty-fourth session), 192-193 ms against 209-211 from the bf16 tiles (which take
+// 2.7x the bytes: SmolLM2's Q4_1 tiles 379 -> 166 MB); 128 rows 0.85-0.88x, 2048 0.96-0.97x.
 //
 // On a 2-core Sapphire Rapids-class VM, SmolLM2's four layer GEMMs at 2048 rows against
 // oneDNN's packed fp32 GEMM, alternating: 1.11-1.15x in the median pair, 1.58x at best (the
@@ -65,6 +68,7 @@ constexpr int64_t kXTerms = 3;         // hi, mid, lo of each x
 constexpr int64_t kWTerms = 2;         // hi, lo of each weight
 constexpr int64_t kColGroup = 3;       // column tiles of a work item
 constexpr int64_t kL2Budget = 768 * 1024;  // split rows of a work item's row block
+constexpr int64_t kTileRun = 8;        // row tiles that share a block's level tiles
 constexpr int64_t kNibbleTile = kTile / 2;  // bytes of a tile of four-bit levels
 constexpr int64_t kScaleBytes = kCols * 4;    // a column tile's d (or m) of one block
 // Bytes of one block of a column group in the short steps' records: the group's four-bit level
@@ -241,7 +245,7 @@ inline void expand_levels(const uint8_t* nibbles, uint16_t* out) {
 // blocks after b before they are needed.
 //
 // TiledLevels: the bf16 level tiles [col tiles, blocks, 512], d [col tiles, blocks, 16] and m
-// [blocks, n] as packed for long steps, whose row tiles read each block several times.
+// [blocks, n] (m: Q4_1 only) as packed for Q8_0 (and for Q4_1 on request: the tests' oracle).
 struct TiledLevels {
   const uint16_t* levels;  // the work item's first column tile
   int64_t stride;          // from one column tile to the next
@@ -255,9 +259,9 @@ struct TiledLevels {
   void ahead(int64_t) const {}   // their row tiles' passes keep the blocks in L2
 };
 
-// GroupRecords: a Q4_1 column group's blocks for steps of at most 16 rows, which stream each
-// once, as one run of records [blocks][kGroupRecord]: the four-bit levels (a quarter of the
-// bf16 tiles' bytes), rebuilt as bf16 tiles in L1, then d and m. With the levels, d and m in
+// GroupRecords: a Q4_1 column group's blocks, which a work item streams once, as one run of
+// records [blocks][kGroupRecord]: the four-bit levels (a quarter of the bf16 tiles' bytes),
+// rebuilt as bf16 tiles in L1, then d and m. With the levels, d and m in
 // three tensors an item read seven short streams (m's 12 KB apart a block), and in real
 // 16-row decode steps a layer's linears took 1.45x what the same calls took with their
 // weights just read into L2 (481 against ~330 us). One stream, asked for into L2
@@ -291,11 +295,13 @@ struct GroupRecords {
   }
 };
 
-// The factored form of row_block: y rows [row0, row0 + 16) x columns [col0, col0 + 16
-// kColTiles) = sum over blocks of d (x . q) + the block's m terms. Per block: x.hi, x.mid and
-// x.lo (tiles 3 and 7 in turn) against the column tiles' levels (4-6) into accumulators 0-2,
-// zeroed a block; they are stored to one of two scratch buffers, and the block before is
-// scaled into `acc` meanwhile, its m terms (the rows' block sums times the minimums) with it.
+// The factored form of row_block, for `tiles` row tiles (at most kTileRun) from row0, their
+// split terms from `a`, tile_terms apart: y rows x columns [col0, col0 + 16 kColTiles) = sum over
+// blocks of d (x . q) + the block's m terms. Per block the column tiles' levels are loaded (4-6)
+// once for all the row tiles; per row tile x.hi, x.mid and x.lo (tiles 3 and 7 in turn) against
+// them into accumulators 0-2, zeroed; they are stored to one of two scratch buffers, and the
+// (block, row tile) before is scaled into its `acc` meanwhile, its m terms (the rows' block sums
+// times the minimums) with it. Every output adds its blocks in order, whatever the run.
 // The m terms used to come first, all blocks of a row and column tile in one dependent chain
 // of FMAs (a quarter of the kernel's samples at 768 rows); here they ride in the readout's
 // shadow. SmolLM2's four layer GEMMs, the two kernels called in turn (medians of 30, 2-core
@@ -303,67 +309,76 @@ struct GroupRecords {
 // tile loads and products set the pace); the Q8_0 lm_head (no m terms) 0.98-1.01x. The sums
 // are as accurate (about half the distance from float64 in that run), not bitwise the same.
 template <int kColTiles, typename Source>
-void factored_row_block(const uint16_t* a, Source& source, const float* block_sums,
-                        int64_t blocks, int64_t row0, int64_t rows, int64_t col0, float* y,
-                        int64_t n) {
+void factored_row_block(const uint16_t* a, int64_t tile_terms, int64_t tiles, Source& source,
+                        const float* block_sums, int64_t blocks, int64_t row0, int64_t rows,
+                        int64_t col0, float* y, int64_t n) {
   constexpr int64_t kWidth = kColTiles * kCols;
-  alignas(64) float acc[kRows][kWidth];
+  alignas(64) float acc[kTileRun][kRows][kWidth];
   alignas(64) float products[2][kRows][kWidth];
-  const int64_t live = std::min(kRows, rows - row0);
-  std::memset(acc, 0, sizeof acc);
-  const float* sums = block_sums != nullptr ? block_sums + row0 * blocks : nullptr;
-  auto scale_in = [&](int64_t b, float (*block)[kWidth]) {
+  std::memset(acc, 0, tiles * sizeof acc[0]);
+  // (block, row tile) b * tiles + t's products, in products[its parity], into acc[t]
+  auto scale_in = [&](int64_t step) {
+    const int64_t b = step / tiles, t = step % tiles, first = row0 + t * kRows;
+    const int64_t live = std::min(kRows, rows - first);
+    float (*block)[kWidth] = products[step % 2];
+    float (*into)[kWidth] = acc[t];
+    const float* sums = block_sums != nullptr ? block_sums + first * blocks : nullptr;
 #pragma GCC unroll 3
     for (int j = 0; j < kColTiles; ++j) {
       const __m512 d = _mm512_loadu_ps(source.d(j, b));
       if (sums == nullptr) {
         for (int64_t r = 0; r < live; ++r)
-          _mm512_store_ps(&acc[r][j * kCols],
+          _mm512_store_ps(&into[r][j * kCols],
                           _mm512_fmadd_ps(d, _mm512_load_ps(&block[r][j * kCols]),
-                                          _mm512_load_ps(&acc[r][j * kCols])));
+                                          _mm512_load_ps(&into[r][j * kCols])));
         continue;
       }
       const __m512 m = _mm512_loadu_ps(source.m(j, b));
       for (int64_t r = 0; r < live; ++r) {
         const __m512 with_min = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * blocks + b]), m,
-                                                _mm512_load_ps(&acc[r][j * kCols]));
-        _mm512_store_ps(&acc[r][j * kCols],
+                                                _mm512_load_ps(&into[r][j * kCols]));
+        _mm512_store_ps(&into[r][j * kCols],
                         _mm512_fmadd_ps(d, _mm512_load_ps(&block[r][j * kCols]), with_min));
       }
     }
   };
+  int64_t step = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     source.ahead(b);
-    _tile_zero(0);
-    if (kColTiles > 1) _tile_zero(1);
-    if (kColTiles > 2) _tile_zero(2);
     _tile_loadd(4, source.tile(0, b), 64);
     if (kColTiles > 1) _tile_loadd(5, source.tile(1, b), 64);
     if (kColTiles > 2) _tile_loadd(6, source.tile(2, b), 64);
-    x_terms_times_weights<kColTiles>(a + b * kXTerms * kTile, kXTerms);
-    if (b > 0) scale_in(b - 1, products[(b - 1) % 2]);
-    float (*out)[kWidth] = products[b % 2];
-    _tile_stored(0, &out[0][0], sizeof out[0]);
-    if (kColTiles > 1) _tile_stored(1, &out[0][kCols], sizeof out[0]);
-    if (kColTiles > 2) _tile_stored(2, &out[0][2 * kCols], sizeof out[0]);
+    for (int64_t t = 0; t < tiles; ++t, ++step) {
+      _tile_zero(0);
+      if (kColTiles > 1) _tile_zero(1);
+      if (kColTiles > 2) _tile_zero(2);
+      x_terms_times_weights<kColTiles>(a + t * tile_terms + b * kXTerms * kTile, kXTerms);
+      if (step > 0) scale_in(step - 1);
+      float (*out)[kWidth] = products[step % 2];
+      _tile_stored(0, &out[0][0], sizeof out[0]);
+      if (kColTiles > 1) _tile_stored(1, &out[0][kCols], sizeof out[0]);
+      if (kColTiles > 2) _tile_stored(2, &out[0][2 * kCols], sizeof out[0]);
+    }
   }
-  scale_in(blocks - 1, products[(blocks - 1) % 2]);
-  for (int64_t r = 0; r < live; ++r)
-    std::memcpy(y + (row0 + r) * n + col0, acc[r], kWidth * 4);
+  scale_in(step - 1);
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t r = 0; r < std::min(kRows, rows - row0 - t * kRows); ++r)
+      std::memcpy(y + (row0 + t * kRows + r) * n + col0, acc[t][r], kWidth * 4);
 }
 
-// One work item's columns [col0, col0 + 16 cols) over rows [row0, row0 + 16), its blocks from
-// `source` (TiledLevels or GroupRecords, pointed at the item's first column tile); `a` the row
-// tile's split terms.
+// One work item's columns [col0, col0 + 16 cols) over `tiles` row tiles from row0 (at most
+// kTileRun), its blocks from `source` (TiledLevels or GroupRecords, pointed at the item's first
+// column tile); `a` the first row tile's split terms, the next tile_terms further each.
 template <typename Source>
-void factored_item(const uint16_t* a, Source source, const float* sums, int64_t blocks,
-                   int64_t row0, int64_t rows, int64_t col0, int64_t cols, float* y, int64_t n) {
+void factored_item(const uint16_t* a, int64_t tile_terms, int64_t tiles, Source source,
+                   const float* sums, int64_t blocks, int64_t row0, int64_t rows, int64_t col0,
+                   int64_t cols, float* y, int64_t n) {
   if (cols == 3)
-    factored_row_block<3>(a, source, sums, blocks, row0, rows, col0, y, n);
+    factored_row_block<3>(a, tile_terms, tiles, source, sums, blocks, row0, rows, col0, y, n);
   else if (cols == 2)
-    factored_row_block<2>(a, source, sums, blocks, row0, rows, col0, y, n);
+    factored_row_block<2>(a, tile_terms, tiles, source, sums, blocks, row0, rows, col0, y, n);
   else
-    factored_row_block<1>(a, source, sums, blocks, row0, rows, col0, y, n);
+    factored_row_block<1>(a, tile_terms, tiles, source, sums, blocks, row0, rows, col0, y, n);
 }
 
 // A thread's tiles and the split rows of the row block it last took (kept between calls).
@@ -381,8 +396,9 @@ struct LongSteps {
 };
 
 // Every (row tile, up to three column tiles) of y [rows, 16 col_tiles] = x [rows, k] @ W^T in
-// work items that keep a block of split rows in L2: fn(a, row0, col0, column tiles), `a` the
-// split terms of the row tile at row0. The row blocks are shared out among
+// work items that keep a block of split rows in L2: fn(a, tile_terms, tiles, row0, col0, column
+// tiles) for runs of up to kTileRun row tiles from row0, `a` the split terms of the first, the
+// next tile_terms further each. The row blocks are shared out among
 // the threads, each splitting its own (kernels/work_sharing.h's owned items): split up front
 // by both threads, half of every block's terms were written by the other core, which on the
 // 2-core VM reads a core's fresh lines several times slower than its own (see ShortStep); split
@@ -411,9 +427,9 @@ void for_each_tile(const float* x, int64_t rows, int64_t k, int64_t col_tiles, c
           split_row_tiles(x, rows, k, first, last, steps->split.data());
           steps->block = block;
         }
-        for (int64_t tile = first; tile < last; ++tile)
-          fn(steps->split.data() + (tile - first) * tile_terms, tile * kRows, first_col * kCols,
-             cols);
+        for (int64_t tile = first; tile < last; tile += kTileRun)
+          fn(steps->split.data() + (tile - first) * tile_terms, tile_terms,
+             std::min(kTileRun, last - tile), tile * kRows, first_col * kCols, cols);
       });
 }
 
@@ -527,13 +543,16 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   float* yp = y.data_ptr<float>();
   amx::for_each_tile(x.data_ptr<float>(), rows, x.size(1), col_tiles,
-                     [&](const uint16_t* a, int64_t row0, int64_t col0, int64_t cols) {
-    if (cols == 3)
-      amx::row_block<3>(a, wp, blocks, row0, rows, col0, yp, n);
-    else if (cols == 2)
-      amx::row_block<2>(a, wp, blocks, row0, rows, col0, yp, n);
-    else
-      amx::row_block<1>(a, wp, blocks, row0, rows, col0, yp, n);
+                     [&](const uint16_t* a, int64_t tile_terms, int64_t tiles, int64_t row0,
+                         int64_t col0, int64_t cols) {
+    for (int64_t t = 0; t < tiles; ++t, a += tile_terms, row0 += amx::kRows) {
+      if (cols == 3)
+        amx::row_block<3>(a, wp, blocks, row0, rows, col0, yp, n);
+      else if (cols == 2)
+        amx::row_block<2>(a, wp, blocks, row0, rows, col0, yp, n);
+      else
+        amx::row_block<1>(a, wp, blocks, row0, rows, col0, yp, n);
+    }
   });
   return y;
 #else
@@ -544,13 +563,14 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
 namespace {
 
 // W [N, K] of Format's values (as gemv_blocks rebuilds them, bit for bit) -> {levels [N / 16,
-// K / 32, 512] bf16 tiles (VNNI order), steps d [N / 16, K / 32, 16] fp32}, with Q4_1 also
-// {minimums m [K / 32, N] fp32, and for steps of at most 16 rows the column groups' records
-// [N / 48 rounded up, K / 32, kGroupRecord] uint8 (GroupRecords: the levels again in four
-// bits, d and m)}; an empty list when some block is not of the format (or the shape or the
-// build does not allow the tiles).
+// K / 32, 512] bf16 tiles (VNNI order; for Q4_1 only with `tiles`, else [0, K / 32, 512]), steps
+// d [N / 16, K / 32, 16] fp32}, with Q4_1 also {minimums m [K / 32, N] fp32, and the column
+// groups' records [N / 48 rounded up, K / 32, kGroupRecord] uint8 (GroupRecords: the levels in
+// four bits, d and m), which steps of every size read}; an empty list when some block is not of
+// the format (or the shape or the build does not allow the tiles).
 template <typename Format>
-std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_minimums) {
+std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_minimums,
+                                         bool tiles = true) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32,
               "pack_amx_factored: a 2-D float32 weight");
 #ifdef TOKENMILL_AMX
@@ -558,7 +578,7 @@ std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_
   if (n % amx::kCols != 0 || k % amx::kSteps != 0 || k == 0 || !amx_available()) return {};
   auto w = weight.contiguous();
   const int64_t blocks = k / amx::kSteps, col_tiles = n / amx::kCols;
-  auto levels = torch::empty({col_tiles, blocks, amx::kTile}, torch::kBFloat16);
+  auto levels = torch::empty({tiles ? col_tiles : 0, blocks, amx::kTile}, torch::kBFloat16);
   auto steps = torch::empty({col_tiles, blocks, amx::kCols}, torch::kFloat32);
   auto mins = torch::empty({with_minimums ? blocks : 0, n}, torch::kFloat32);
   const int64_t col_groups = (col_tiles + amx::kColGroup - 1) / amx::kColGroup;
@@ -581,7 +601,7 @@ std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_
         }
         const int64_t tile = row / amx::kCols * blocks + b, col = row % amx::kCols;
         dp[tile * amx::kCols + col] = scales[0];
-        for (int64_t c = 0; c < amx::kSteps; ++c)   // VNNI order, as pack_amx_weight
+        for (int64_t c = 0; c < amx::kSteps && tiles; ++c)   // VNNI order, as pack_amx_weight
           lp[tile * amx::kTile + (c / 2) * 2 * amx::kCols + col * 2 + c % 2] =
               amx::bf16_bits(static_cast<float>(q[c]));
         if (!with_minimums) continue;
@@ -606,8 +626,9 @@ std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_
 
 }  // namespace
 
-std::vector<torch::Tensor> pack_amx_q4_1(torch::Tensor weight) {
-  return pack_factored<gemv_blocks::Q4_1>(weight, true);
+// Q4_1 values: {levels (bf16 tiles only with `tiles`: the tests' oracle), steps, mins, records}.
+std::vector<torch::Tensor> pack_amx_q4_1(torch::Tensor weight, bool tiles) {
+  return pack_factored<gemv_blocks::Q4_1>(weight, true, tiles);
 }
 
 // Q8_0 values (w = d q, q in -128..127: one exact bf16 too): {levels, steps}.
@@ -617,13 +638,12 @@ std::vector<torch::Tensor> pack_amx_q8_0(torch::Tensor weight) {
 
 namespace {
 
-// levels: bf16 tiles, or (for at most 16 rows, Q4_1) the column groups' records; mins empty
-// for Q8_0. steps and mins as packed, records or not: they give the shape.
-void check_factored(int64_t rows, int64_t k, const torch::Tensor& levels,
-                    const torch::Tensor& steps, const torch::Tensor& mins) {
+// levels: bf16 tiles, or (Q4_1) the column groups' records; mins empty for Q8_0. steps and
+// mins as packed, records or not: they give the shape.
+void check_factored(int64_t k, const torch::Tensor& levels, const torch::Tensor& steps,
+                    const torch::Tensor& mins) {
   const bool records = levels.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(!records || (rows <= amx::kRows && mins.numel() > 0),
-              "amx_linear_factored: four-bit records take Q4_1 steps of at most 16 rows");
+  TORCH_CHECK(!records || mins.numel() > 0, "amx_linear_factored: four-bit records are Q4_1's");
   TORCH_CHECK(steps.dim() == 3 && steps.is_contiguous() &&
                   steps.scalar_type() == torch::kFloat32 && steps.size(2) == amx::kCols &&
                   steps.size(1) * amx::kSteps == k && levels.dim() == 3 &&
@@ -647,7 +667,7 @@ void check_factored(int64_t rows, int64_t k, const torch::Tensor& levels,
 // form is what the C++ decode loop calls (kernels/entry_points.h).
 void amx_linear_factored_into(const float* x, int64_t rows, int64_t k, const torch::Tensor& levels,
                           const torch::Tensor& steps, const torch::Tensor& mins, float* y) {
-  check_factored(rows, k, levels, steps, mins);
+  check_factored(k, levels, steps, mins);
 #ifdef TOKENMILL_AMX
   TORCH_CHECK(amx_available(), "amx_linear_factored: this process may not use the AMX tiles");
   const int64_t blocks = k / amx::kSteps, col_tiles = steps.size(0), n = col_tiles * amx::kCols;
@@ -661,21 +681,21 @@ void amx_linear_factored_into(const float* x, int64_t rows, int64_t k, const tor
                             dp + col0 / amx::kCols * blocks * amx::kCols, blocks,
                             mp != nullptr ? mp + col0 : nullptr, n};
   };
+  // Q4_1's records of the item's column group (col0 / 48)
+  const bool records = levels.scalar_type() == torch::kUInt8;
+  auto grouped = [&, rp = records ? levels.data_ptr<uint8_t>() : nullptr](int64_t col0) {
+    return amx::GroupRecords{rp + col0 / amx::kCols / amx::kColGroup * blocks * amx::kGroupRecord,
+                             blocks};
+  };
   if (rows <= amx::kRows) {
-    const bool records = levels.scalar_type() == torch::kUInt8;
-    const uint8_t* record_base = records ? levels.data_ptr<uint8_t>() : nullptr;
     amx::for_each_short_tile(
         x, rows, k, mp != nullptr, col_tiles,
         [&](const amx::ShortStep& step, int64_t col0, int64_t cols) {
-          if (!records)
-            return amx::factored_item(step.xs, tiled(col0), step.sums, blocks, 0, rows, col0,
-                                      cols, y, n);
-          const int64_t group = col0 / amx::kCols / amx::kColGroup;
-          amx::factored_item(step.xs,
-                             amx::GroupRecords{record_base +
-                                                   group * blocks * amx::kGroupRecord,
-                                               blocks},
-                             step.sums, blocks, 0, rows, col0, cols, y, n);
+          if (records)
+            return amx::factored_item(step.xs, 0, 1, grouped(col0), step.sums, blocks, 0, rows,
+                                      col0, cols, y, n);
+          amx::factored_item(step.xs, 0, 1, tiled(col0), step.sums, blocks, 0, rows, col0, cols,
+                             y, n);
         });
     return;
   }
@@ -683,8 +703,13 @@ void amx_linear_factored_into(const float* x, int64_t rows, int64_t k, const tor
   if (mp != nullptr) amx::block_sums(x, rows, k, sums.data_ptr<float>());
   const float* sp = mp != nullptr ? sums.data_ptr<float>() : nullptr;
   amx::for_each_tile(x, rows, k, col_tiles,
-                     [&](const uint16_t* a, int64_t row0, int64_t col0, int64_t cols) {
-    amx::factored_item(a, tiled(col0), sp, blocks, row0, rows, col0, cols, y, n);
+                     [&](const uint16_t* a, int64_t tile_terms, int64_t tiles, int64_t row0,
+                         int64_t col0, int64_t cols) {
+    if (records)
+      return amx::factored_item(a, tile_terms, tiles, grouped(col0), sp, blocks, row0, rows,
+                                col0, cols, y, n);
+    amx::factored_item(a, tile_terms, tiles, tiled(col0), sp, blocks, row0, rows, col0, cols, y,
+                       n);
   });
 #else
   TORCH_CHECK(false, "amx_linear_factored: this build has no AMX tiles");
@@ -696,7 +721,7 @@ torch::Tensor amx_linear_factored(torch::Tensor x, torch::Tensor levels, torch::
                               torch::Tensor mins) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "amx_linear_factored: a contiguous 2-D float32 input");
-  check_factored(x.size(0), x.size(1), levels, steps, mins);
+  check_factored(x.size(1), levels, steps, mins);
   auto y = torch::empty({x.size(0), steps.size(0) * amx::kCols}, x.options());
   amx_linear_factored_into(x.data_ptr<float>(), x.size(0), x.size(1), levels, steps, mins,
                        y.data_ptr<float>());

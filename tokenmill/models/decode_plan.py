@@ -50,7 +50,7 @@ def _linear_weights(linear: Linear, num_tokens: int) -> list[torch.Tensor]:
     """The three tensors decode_layers takes for a linear: its tiles' levels, steps and
     minimums, or its cpu_gemv panels for the step's size and two empty tensors."""
     if _on_tiles(linear, num_tokens):
-        return list(linear.amx_weight.factored_operands(num_tokens))
+        return list(linear.amx_weight.factored_operands())
     return [linear.small_step_panels(num_tokens), _NONE, _NONE]
 
 

@@ -461,15 +461,19 @@ struct ShortStep {
 };
 
 // Every group of up to three column tiles of y [rows <= 16, 16 col_tiles] = x [rows, k] @ W^T:
-// fn(step, col0, column tiles), the tiles configured for `rows`.
+// fn(step, col0, column tiles), the tiles configured for `rows`. Each thread takes a run of
+// neighbouring groups (work_sharing.h's owned items), so it streams one stretch of the records
+// (and writes one stretch of y's columns), where from a shared counter the threads took every
+// other group: real 16-row decode steps, alternating processes (forty-fourth session), 16
+// prompts of 300 tokens 0.91-0.96x, 16 requests over a shared 1,024-token prefix 0.87-0.98x.
 template <typename Fn>
 void for_each_short_tile(const float* x, int64_t rows, int64_t k, bool with_sums,
                          int64_t col_tiles, const Fn& fn) {
   const int64_t col_groups = (col_tiles + kColGroup - 1) / kColGroup;
-  tokenmill_parallel::parallel_chunks_with(
-      col_groups, 1,
+  tokenmill_parallel::parallel_owned_items(
+      col_groups,
       [&] { return std::make_unique<ShortStep>(x, rows, k, with_sums); },
-      [&](const std::unique_ptr<ShortStep>& step, int64_t item, int64_t) {
+      [&](const std::unique_ptr<ShortStep>& step, int64_t item) {
         const int64_t first_col = item * kColGroup;
         fn(*step, first_col * kCols, std::min(kColGroup, col_tiles - first_col));
       });

@@ -53,6 +53,7 @@ void parallel_chunks(int64_t total, int64_t chunk, const Fn& fn) {
 // at a time from the back of the share with the most left. Items next to each other stay on
 // one thread (for kernels whose neighbouring items read the same data, made by the thread that
 // first needs it), while a faster thread still takes over the slower one's last items.
+// Fewer than 2^32 items (a share's ends are 32 bits each).
 template <typename MakeState, typename Fn>
 void parallel_owned_items(int64_t total, const MakeState& make_state, const Fn& fn) {
   if (total <= 0) return;

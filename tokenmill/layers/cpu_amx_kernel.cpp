@@ -398,18 +398,19 @@ struct LongSteps {
 // Every (row tile, up to three column tiles) of y [rows, 16 col_tiles] = x [rows, k] @ W^T in
 // work items that keep a block of split rows in L2: fn(a, tile_terms, tiles, row0, col0, column
 // tiles) for runs of up to kTileRun row tiles from row0, `a` the split terms of the first, the
-// next tile_terms further each. The row blocks are shared out among
-// the threads, each splitting its own (kernels/work_sharing.h's owned items): split up front
-// by both threads, half of every block's terms were written by the other core, which on the
-// 2-core VM reads a core's fresh lines several times slower than its own (see ShortStep); split
-// by every thread that took one of its column groups, each thread split all of x.
+// next tile_terms further each. The row blocks are shared out among the threads, each
+// splitting its own (kernels/work_sharing.h's owned items). Split up front by both threads,
+// half of every block's terms were written by the other core, which on the 2-core VM reads a
+// core's fresh lines several times slower than its own (see ShortStep); split by every thread
+// that took one of its column groups, each thread split all of x.
 template <typename Fn>
 void for_each_tile(const float* x, int64_t rows, int64_t k, int64_t col_tiles, const Fn& fn) {
   const int64_t row_tiles = (rows + kRows - 1) / kRows;
   const int64_t tile_terms = k / kSteps * kXTerms * kTile;
   const int64_t threads = at::get_num_threads();
   const int64_t most_per_block = std::max<int64_t>(1, kL2Budget / (tile_terms * 2));
-  // row blocks a multiple of the threads, each within the L2 budget
+  // as many row blocks as `rounds` times the threads (each thread owns `rounds` of them), as
+  // few rounds as keep a block's split rows within the L2 budget
   const int64_t rounds = (row_tiles + threads * most_per_block - 1) / (threads * most_per_block);
   const int64_t tiles_per_block = std::max<int64_t>(
       1, (row_tiles + threads * rounds - 1) / (threads * rounds));

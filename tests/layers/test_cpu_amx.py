@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from tests.helpers.gil import longest_stall_beside
+from tests.helpers.memory_maps import on_huge_page_memory, thp_enabled
+from tokenmill.kernels.huge_pages import huge_pages_supported
 from tokenmill.layers.cpu_amx import (AMX_MIN_ROWS, AMX_Q4_1_MIN_ROWS, AMX_Q8_0_MIN_ROWS,
                                      amx_linear, load_kernel, pack_amx_weight)
 from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS
@@ -83,6 +85,18 @@ def test_bf16_and_q4_1_weights_are_taken_and_exact():
         assert packed is not None and (packed.steps is not None) == factored
         assert max_error(amx_linear(x, packed), x, weight) <= \
             2 * max_error(F.linear(x, weight), x, weight) + 1e-6
+
+
+@pytest.mark.skipif(not (huge_pages_supported() and thp_enabled()),
+                    reason="no transparent huge pages for madvised memory here")
+def test_packed_weights_sit_on_huge_page_memory():
+    """Every step streams them whole: each part is on memory advised for 2 MB pages."""
+    gen = torch.Generator().manual_seed(5)
+    for weight, factored in ((q4_1_weight(192, 256, gen), True),
+                             (two_bf16_weight(192, 256, gen), False)):
+        packed = pack_amx_weight(weight, factored)
+        parts = [packed.tiles, packed.steps, packed.mins, packed.records]
+        assert all(on_huge_page_memory(p) for p in parts if p is not None and p.numel())
 
 
 @settings(max_examples=25, deadline=None)

@@ -13,7 +13,8 @@ from hypothesis import example, given, settings, strategies as st
 
 from tests.helpers.gil import longest_stall_beside
 from tests.helpers.isa import avx2_tiles, switched_off
-from tokenmill.kernels.huge_pages import HUGE_PAGE, huge_pages_supported
+from tests.helpers.memory_maps import on_huge_page_memory, thp_enabled
+from tokenmill.kernels.huge_pages import huge_pages_supported
 from tokenmill.layers.cpu_gemv import GEMV_COMPACT_MAX_ROWS, GEMV_MAX_ROWS, load_kernel
 from tokenmill.layers.linear import Linear, onednn_available
 
@@ -115,14 +116,15 @@ def test_hybrid_linear_equals_reference_on_both_sides_of_the_switch(out_features
         torch.testing.assert_close(layer(x), expected[rows], rtol=1e-4, atol=1e-3)
 
 
-def test_hybrid_linear_keeps_its_panels_on_huge_pages():
-    layer = Linear(576, 1024)                     # 2.25 MB of panels: more than one huge page
+@pytest.mark.parametrize("out_features", [1024, 64])   # 2.25 MB and 144 KB of panels
+def test_hybrid_linear_keeps_its_panels_on_huge_pages(out_features):
+    layer = Linear(576, out_features)
     layer.weight.data.normal_()
     x = torch.randn(3, 576)
     expected = F.linear(x, layer.weight)
     layer.prepack(gemv=True)
-    if huge_pages_supported():
-        assert layer.gemv_weight.data_ptr() % HUGE_PAGE == 0
+    if huge_pages_supported() and thp_enabled():
+        assert on_huge_page_memory(layer.gemv_weight)
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-3)
 
 

@@ -4,41 +4,16 @@ the CPU KV cache are allocated."""
 from __future__ import annotations
 
 import gc
-import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from tests.helpers.memory_maps import mapping_of, on_huge_page_memory, thp_enabled
 from tokenmill.kernels.huge_pages import (HUGE_PAGE, huge_page_empty, huge_pages_supported,
                                           to_huge_pages)
 from tokenmill.worker.model_runner import ModelRunner
-
-_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def _thp_enabled() -> bool:
-    """The kernel gives madvised memory huge pages ('[madvise]' or '[always]' selected)."""
-    try:
-        return re.search(r"\[(always|madvise)\]", _THP_MODE.read_text()) is not None
-    except OSError:
-        return False
-
-
-def _mapping_of(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping holding `address`."""
-    fields: dict[str, str] = {}
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        bounds = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
-        if bounds:
-            inside = int(bounds.group(1), 16) <= address < int(bounds.group(2), 16)
-        elif inside and ":" in line:
-            key, value = line.split(":", 1)
-            fields[key] = value.strip()
-    return fields
 
 
 @pytest.mark.skipif(not huge_pages_supported(), reason="no MADV_HUGEPAGE on this platform")
@@ -47,8 +22,8 @@ def test_large_tensor_starts_on_a_huge_page_of_an_advised_mapping():
     assert tensor.shape == (3, 1024, 1024) and tensor.dtype == torch.float32
     assert tensor.is_contiguous() and tensor.data_ptr() % HUGE_PAGE == 0
     tensor.fill_(1.5)
-    if _thp_enabled():
-        smaps = _mapping_of(tensor.data_ptr())
+    if thp_enabled():
+        smaps = mapping_of(tensor.data_ptr())
         assert smaps.get("THPeligible") == "1", smaps
 
 
@@ -69,6 +44,23 @@ def test_copy_is_exact_and_outlives_its_source(rows, cols, dtype, transpose, see
     assert torch.equal(copy, expected)
     copy.add_(1)                                  # writable
     assert torch.equal(copy, expected + 1)
+
+
+@pytest.mark.skipif(not huge_pages_supported(), reason="no MADV_HUGEPAGE on this platform")
+@settings(max_examples=20, deadline=None)
+@given(sizes=st.lists(st.integers(1, 3_000_000), min_size=1, max_size=12))
+def test_small_weights_share_huge_page_memory_without_overlap(sizes):
+    """Weights under a huge page each (a layer's Q4_1 panels) get one too: they are packed
+    side by side in shared advised chunks, each on a page of its own, and each keeps its
+    values while the others are written."""
+    sources = [torch.full((n,), float(i), dtype=torch.float32) for i, n in enumerate(sizes)]
+    copies = [to_huge_pages(s) for s in sources]
+    spans = sorted((c.data_ptr(), c.data_ptr() + c.numel() * 4) for c in copies)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    for i, copy in enumerate(copies):
+        assert copy.data_ptr() % 4096 == 0 and torch.equal(copy, sources[i])
+        if thp_enabled():
+            assert on_huge_page_memory(copy)
 
 
 @pytest.mark.skipif(not huge_pages_supported(), reason="no MADV_HUGEPAGE on this platform")

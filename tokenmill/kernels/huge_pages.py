@@ -9,6 +9,13 @@ huge pages against 4 KB copies: SmolLM2's 121 linears at M = 1 25.5 -> 20.8 ms (
 a slow hour of the machine); decode attention over 30 layers' scattered KV blocks, 12 requests
 of 100-768 tokens 21.2 -> 16.1 ms (best of 7).
 
+Weights go through `to_huge_pages`, which packs them one after another into shared huge-page
+chunks: most of SmolLM2's packed weights are under 2 MB each (a layer's Q4_1 panels 0.2-1.1
+MB), and a mapping of its own that size gets no huge page at all. On this VM memory on 4 KB
+pages also costs more the longer it sat untouched: reading 200 MB took ~10 ms back to back and
+85-108 ms after one second away (huge pages: 7 and 20 ms), so every step after a pause or a
+long prefill paid it for the weights.
+
 Where the kernel has none, or on other platforms, these are plain tensors. The contents are
 what torch.empty would give: callers zero or copy into them.
 """
@@ -17,11 +24,14 @@ from __future__ import annotations
 
 import math
 import mmap
+import threading
 from collections.abc import Sequence
 
 import torch
 
 HUGE_PAGE = 2 * 1024 * 1024
+_CHUNK = 32 * HUGE_PAGE    # the shared chunks weights are packed into
+_ALIGN = 4096              # each weight starts on a page of its own
 
 
 def huge_pages_supported() -> bool:
@@ -47,6 +57,34 @@ def huge_page_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return raw[start:start + nbytes].view(dtype).view(tuple(shape))
 
 
+class _Chunks:
+    """Bump allocation from huge-page chunks, for tensors that live as long as the model: a
+    chunk is unmapped when the last tensor in it is gone."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._chunk: torch.Tensor | None = None   # uint8, the chunk being filled
+        self._used = 0
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes > _CHUNK // 4:   # big enough for pages of its own
+            return huge_page_empty(shape, dtype)
+        with self._lock:
+            start = -(-self._used // _ALIGN) * _ALIGN
+            if self._chunk is None or start + nbytes > self._chunk.numel():
+                self._chunk, start = huge_page_empty((_CHUNK,), torch.uint8), 0
+            self._used = start + nbytes
+            raw = self._chunk[start:start + nbytes]
+        return raw.view(dtype).view(tuple(shape))
+
+
+_chunks = _Chunks()
+
+
 def to_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor in huge_page_empty memory."""
-    return huge_page_empty(tensor.shape, tensor.dtype).copy_(tensor)
+    """A contiguous copy of a CPU tensor on huge pages, for a weight kept as long as the model
+    (it shares a chunk with others: the whole chunk stays mapped while any of them lives)."""
+    if not huge_pages_supported():
+        return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+    return _chunks.take(tensor.shape, tensor.dtype).copy_(tensor)

@@ -19,6 +19,7 @@ from types import ModuleType
 import torch
 
 from tokenmill.kernels.cpp_build import ENTRY_POINTS, WORK_SHARING, CpuExtension
+from tokenmill.kernels.huge_pages import to_huge_pages
 from tokenmill.layers.cpu_gemv import BLOCK_FORMATS
 
 # The fewest rows the tiles take where the small-M kernel's compact panels also could: below,
@@ -88,9 +89,14 @@ def pack_amx_weight(weight: torch.Tensor, factored: bool = True) -> AmxWeight | 
     packers = (lambda w: kernel.pack_amx_q4_1(w, False), kernel.pack_amx_q8_0)
     for pack in packers if factored else ():
         if parts := pack(weight):
-            return AmxWeight(*parts)
+            return AmxWeight(*(_streamed(part) for part in parts))
     packed = kernel.pack_amx_weight(weight)
-    return AmxWeight(packed) if packed.numel() else None
+    return AmxWeight(_streamed(packed)) if packed.numel() else None
+
+
+def _streamed(part: torch.Tensor | None) -> torch.Tensor | None:
+    """A packed part on huge pages: the steps stream it whole (kernels/huge_pages.py)."""
+    return part if part is None or not part.numel() else to_huge_pages(part)
 
 
 def amx_linear(x: torch.Tensor, weight: AmxWeight) -> torch.Tensor:

@@ -8,6 +8,11 @@ those buffers come from, and go back to, the heap, which grows to the largest wo
 keeps it, and later steps reuse warm pages. vLLM's CPU docs reach the same end with tcmalloc via LD_PRELOAD;
 mallopt does it in-process for any entry point.
 
+The one time freed memory should go back is after loading: the loader's fp32 weights (540 MB
+for SmolLM2-135M) are freed once packed into panels and tiles, and a heap that keeps
+everything would hold them for the process's life, and count them against the memory the KV
+cache is sized from (release_freed_memory).
+
 Every thread shares the main heap (M_ARENA_MAX 1). Raising the mmap threshold instead (to
 glibc's cap, 32 MB) had left bigger buffers mapped afresh whenever the free heap lacked room,
 and a thread's own arena, grown in 64 MB heaps, rarely had it: the server's engine thread
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 
 logger = logging.getLogger(__name__)
@@ -33,18 +39,22 @@ _TOP_PAD = 64 * 1024 * 1024
 _done = False
 
 
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Tune glibc malloc once per process; returns False where there is no glibc. Call it
     before starting threads that allocate: a thread keeps the arena of its first malloc."""
     global _done
     if _done:
         return True
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
-        mallopt = None
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
     if mallopt is None:
         logger.info("no glibc mallopt here: host allocations keep the platform default")
         return False
@@ -53,3 +63,15 @@ def keep_freed_memory() -> bool:
         (_M_ARENA_MAX, 1)))
     _done = ok
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc malloc_trim), after collecting
+    Python's garbage so that unreachable buffers are freed first. For after loading, before
+    sizing the KV cache; returns False where there is no glibc."""
+    gc.collect()
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(0)
+    return True

@@ -11,7 +11,7 @@ from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.models.loader import load_model
 from tokenmill.models.spec import ModelSpec
 from tokenmill.outputs import RunnerOutput, SchedulerOutput
-from tokenmill.worker.host_memory import keep_freed_memory
+from tokenmill.worker.host_memory import keep_freed_memory, release_freed_memory
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class Worker:
         self.eos_token_ids = frozenset(eos_token_ids) | frozenset(self.spec.eos_token_ids)
         self.runner = ModelRunner(model, self.spec, cache_config.block_size, self.device,
                                   self.dtype, self.eos_token_ids)
+        release_freed_memory()  # the loader's unpacked weights, before the KV cache is sized
         self.num_kv_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(self.num_kv_blocks)
 

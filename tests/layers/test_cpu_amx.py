@@ -93,28 +93,31 @@ def test_packed_weights_sit_on_huge_page_memory():
     """Every step streams them whole: each part is on memory advised for 2 MB pages."""
     gen = torch.Generator().manual_seed(5)
     for weight, factored in ((q4_1_weight(192, 256, gen), True),
+                             (q8_0_weight(192, 256, gen), True),
                              (two_bf16_weight(192, 256, gen), False)):
         packed = pack_amx_weight(weight, factored)
         parts = [packed.tiles, packed.steps, packed.mins, packed.records]
         assert all(on_huge_page_memory(p) for p in parts if p is not None and p.numel())
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 300), blocks=st.integers(1, 12), col_tiles=st.integers(1, 8),
-       seed=st.integers(0, 2**16))
-def test_four_bit_records_give_the_bf16_tiles_result_to_the_bit(rows, blocks, col_tiles, seed):
-    """Q4_1 steps of every size take the levels in four bits from the column groups' records
-    (d and m beside them), rebuilt as the bf16 tiles in L1: the same products and scalings in
-    the same order as from bf16 level tiles (packed only on request, as this oracle), so the
-    same bits, at every shape (a last group of one or two column tiles, a partial row tile,
-    runs of row tiles sharing a block's levels included)."""
+       seed=st.integers(0, 2**16), kind=st.sampled_from(FACTORED))
+def test_records_give_the_bf16_tiles_result_to_the_bit(rows, blocks, col_tiles, seed, kind):
+    """Steps of every size take the levels from the column groups' records (Q4_1's in four
+    bits with d and m beside them, Q8_0's a byte each with d), rebuilt as the bf16 tiles in L1:
+    the same products and scalings in the same order as from bf16 level tiles (packed only on
+    request, as this oracle), so the same bits, at every shape (a last group of one or two
+    column tiles, a partial row tile, runs of row tiles sharing a block's levels included)."""
     gen = torch.Generator().manual_seed(seed)
-    weight = q4_1_weight(col_tiles * 16, blocks * 32, gen)
+    weight = WEIGHTS[kind](col_tiles * 16, blocks * 32, gen)
     packed = pack_amx_weight(weight)
-    assert packed.tiles.numel() == 0   # Q4_1 keeps its records only
+    assert packed.tiles.numel() == 0   # the records only
+    assert packed.records.dtype == (torch.uint8 if kind == "q4_1" else torch.int8)
     x = torch.randn(rows, blocks * 32, generator=gen)
     kernel = load_kernel()
-    tiles, steps, mins, _ = kernel.pack_amx_q4_1(weight, True)
+    pack = kernel.pack_amx_q4_1 if kind == "q4_1" else kernel.pack_amx_q8_0
+    tiles, steps, mins, _ = pack(weight, True)
     from_records = amx_linear(x, packed)
     assert torch.equal(from_records, kernel.amx_linear_factored(x, tiles, steps, mins))
 

@@ -108,8 +108,8 @@ def test_q8_0_weights_on_the_tiles_in_the_decode_loop_match_transformers(tmp_pat
     llm = LLM(model=str(tmp_path), num_kv_blocks=128, block_size=4, prefix_cache=False)
     model = llm.engine.core.worker.runner.model.model
     down = model.layers[0].mlp.down_proj.amx_weight
-    assert down is not None and down.steps is not None and down.mins is None   # Q8_0 tiles
-    assert model.decode_plan.weights(5)[3].dtype == torch.bfloat16   # q|k|v's levels
+    assert down is not None and down.steps is not None and down.mins is None   # Q8_0 records
+    assert model.decode_plan.weights(5)[3].dtype == torch.int8   # q|k|v's byte records
     prompts = [list(range(100 + 7 * i, 110 + 7 * i)) for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     runs = []

@@ -83,5 +83,5 @@ def test_the_amx_kernel_builds_without_the_tiles_and_takes_no_weight(isa, builds
     amx = builds[cpu_amx.KERNEL.prefix, isa]
     assert amx is not None and not amx.amx_available()
     weight = torch.zeros(16, 32)   # exactly Q4_1, Q8_0 and two bf16 numbers: refused all the same
-    assert amx.pack_amx_q4_1(weight, False) == [] and amx.pack_amx_q8_0(weight) == []
+    assert amx.pack_amx_q4_1(weight, False) == [] and amx.pack_amx_q8_0(weight, False) == []
     assert amx.pack_amx_weight(weight).numel() == 0

@@ -3,8 +3,8 @@ weights, decode steps of 12 rows or more; see cpu_amx_kernel.cpp.
 
 Weights that are exactly GGUF Q4_1 values (d q + m a block of 32 inputs) are kept as their
 levels in four bits, with each block's d and m, in one run of records a column group (rebuilt
-as bf16 tiles in L1: the factored form, three tile products a block), Q8_0 values (d q) as
-their levels in bf16 tiles and d; other weights that are exactly two bf16 numbers each (hi +
+as bf16 tiles in L1: the factored form, three tile products a block), Q8_0 values (d q) the
+same way with their levels a byte each and d; other weights that are exactly two bf16 numbers each (hi +
 lo: fp16 or bf16 checkpoints) as hi and lo tiles (five). The step's input is split into three bf16 numbers a value, and
 the tile unit sums exact products in fp32: as accurate as an fp32 GEMM, in another order.
 Other weights, and CPUs without AMX, keep oneDNN.
@@ -38,6 +38,8 @@ AMX_Q4_1_MIN_ROWS = 12
 # the caches flushed between calls as a decode step's other reads flush them, medians of 25:
 # 11 rows 3.22 ms on the tiles against 2.71 on the panels, 12 rows 3.32 against 2.93, 13 rows
 # 3.36 against 4.01 (a second row group); warm, 12 rows were even (2.65, 2.67).
+# The Q8_0 records (levels a byte each, forty-sixth session) took the lm_head at 13-16 rows
+# from 3.27-3.57 to 2.77-3.21 ms in real decode steps; the threshold was not moved.
 AMX_Q8_0_MIN_ROWS = 13
 
 KERNEL = CpuExtension("tokenmill_cpu_amx", Path(__file__).with_name("cpu_amx_kernel.cpp"),
@@ -51,17 +53,17 @@ _NONE = torch.empty(0)
 
 @dataclass(frozen=True)
 class AmxWeight:
-    """A weight on the tiles, factored: Q4_1's column groups' records (the levels in four bits
-    with their blocks' steps and minimums, one stream a group; `tiles` empty), with the steps
-    and minimums also apart (they give the kernel the shape); or Q8_0 levels (bf16 tiles) and
-    steps; or (steps None) hi + lo bf16 tiles."""
+    """A weight on the tiles, factored: the column groups' records (Q4_1: the levels in four
+    bits with their blocks' steps and minimums; Q8_0: the levels a byte each with their steps;
+    one stream a group; `tiles` empty), with the steps (and Q4_1's minimums) also apart (they
+    give the kernel the shape); or (steps None) hi + lo bf16 tiles."""
     tiles: torch.Tensor
     steps: torch.Tensor | None = None
     mins: torch.Tensor | None = None      # Q4_1 only
-    records: torch.Tensor | None = None   # Q4_1 only
+    records: torch.Tensor | None = None   # factored only
 
     def factored_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """levels (Q4_1's records, Q8_0's bf16 tiles), steps and minimums (empty for Q8_0)."""
+        """levels (the records), steps and minimums (empty for Q8_0)."""
         return (self.records if self.records is not None else self.tiles, self.steps,
                 self.mins if self.mins is not None else _NONE)
 
@@ -86,10 +88,11 @@ def pack_amx_weight(weight: torch.Tensor, factored: bool = True) -> AmxWeight | 
     kernel = load_kernel()
     if kernel is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
-    packers = (lambda w: kernel.pack_amx_q4_1(w, False), kernel.pack_amx_q8_0)
+    packers = (kernel.pack_amx_q4_1, kernel.pack_amx_q8_0)
     for pack in packers if factored else ():
-        if parts := pack(weight):
-            return AmxWeight(*(_streamed(part) for part in parts))
+        if parts := pack(weight, False):   # levels as records only (no bf16 tiles)
+            tiles, steps, mins, records = (_streamed(part) for part in parts)
+            return AmxWeight(tiles, steps, mins if mins.numel() else None, records)
     packed = kernel.pack_amx_weight(weight)
     return AmxWeight(_streamed(packed)) if packed.numel() else None
 

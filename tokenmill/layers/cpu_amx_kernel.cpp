@@ -74,6 +74,9 @@ constexpr int64_t kScaleBytes = kCols * 4;    // a column tile's d (or m) of one
 // Bytes of one block of a column group in the short steps' records: the group's four-bit level
 // tiles, then their d, then their m (GroupRecords).
 constexpr int64_t kGroupRecord = kColGroup * (kNibbleTile + 2 * kScaleBytes);
+// The same for Q8_0: the group's levels a byte each (half the bf16 tiles' bytes), then their d
+// (Q8Records).
+constexpr int64_t kQ8Record = kColGroup * (kTile + kScaleBytes);
 
 #ifdef TOKENMILL_AMX
 // Linux hands out the tile state on request, once per process (arch_prctl).
@@ -240,12 +243,25 @@ inline void expand_levels(const uint8_t* nibbles, uint16_t* out) {
   }
 }
 
+// Q8_0 levels a byte each, in the tiles' VNNI order: a tile of them as bf16 (exact: |q| <=
+// 128) into `out`, 32 levels a row widened to fp32 and narrowed again.
+inline void expand_q8_levels(const uint8_t* bytes, uint16_t* out) {
+#pragma GCC unroll 4
+  for (int row = 0; row < kRows; ++row) {
+    const auto* at = reinterpret_cast<const __m128i*>(bytes + row * 32);
+    const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at)));
+    const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at + 1)));
+    _mm512_store_si512(out + row * 32,
+                       reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first)));
+  }
+}
+
 // Where a work item's block b comes from: its column tiles' levels (tile(j, b), bf16), their
 // steps d (d(j, b), 16 floats) and, for Q4_1, minimums m (m(j, b)); ahead(b) asks for the
 // blocks after b before they are needed.
 //
 // TiledLevels: the bf16 level tiles [col tiles, blocks, 512], d [col tiles, blocks, 16] and m
-// [blocks, n] (m: Q4_1 only) as packed for Q8_0 (and for Q4_1 on request: the tests' oracle).
+// [blocks, n] (m: Q4_1 only) as packed on request (the tests' oracle for the records).
 struct TiledLevels {
   const uint16_t* levels;  // the work item's first column tile
   int64_t stride;          // from one column tile to the next
@@ -261,25 +277,27 @@ struct TiledLevels {
 
 // GroupRecords: a Q4_1 column group's blocks, which a work item streams once, as one run of
 // records [blocks][kGroupRecord]: the four-bit levels (a quarter of the bf16 tiles' bytes),
-// rebuilt as bf16 tiles in L1, then d and m. With the levels, d and m in
+// rebuilt as bf16 tiles in L1, then d and m; Q8Records the same for Q8_0, its levels a byte
+// each and no m. With the levels, d and m in
 // three tensors an item read seven short streams (m's 12 KB apart a block), and in real
 // 16-row decode steps a layer's linears took 1.45x what the same calls took with their
 // weights just read into L2 (481 against ~330 us). One stream, asked for into L2
 // kAheadL2 blocks ahead and into L1 one block ahead: 435 us (docs/benchmarks.md,
 // forty-third session).
-struct GroupRecords {
+template <int64_t kLevelBytes, int64_t kRecord, void (*kExpand)(const uint8_t*, uint16_t*)>
+struct BlockRecords {
   const uint8_t* first;    // the group's block 0
   int64_t blocks;
   alignas(64) uint16_t rebuilt[kColGroup][kTile];
-  const uint8_t* record(int64_t b) const { return first + b * kGroupRecord; }
+  const uint8_t* record(int64_t b) const { return first + b * kRecord; }
   const uint16_t* tile(int j, int64_t b) {
-    expand_levels(record(b) + j * kNibbleTile, rebuilt[j]);
+    kExpand(record(b) + j * kLevelBytes, rebuilt[j]);
     return rebuilt[j];
   }
   const float* d(int j, int64_t b) const {
-    return reinterpret_cast<const float*>(record(b) + kColGroup * kNibbleTile) + j * kCols;
+    return reinterpret_cast<const float*>(record(b) + kColGroup * kLevelBytes) + j * kCols;
   }
-  const float* m(int j, int64_t b) const { return d(j, b) + kColGroup * kCols; }
+  const float* m(int j, int64_t b) const { return d(j, b) + kColGroup * kCols; }  // Q4_1
   static constexpr int64_t kAheadL2 = 6;
   void ahead(int64_t b) const {
     if (b == 0)   // the item's first blocks: nothing asked for them yet
@@ -291,9 +309,11 @@ struct GroupRecords {
   void fetch(int64_t b) const {
     if (b >= blocks) return;
     const char* at = reinterpret_cast<const char*>(record(b));
-    for (int64_t line = 0; line < kGroupRecord; line += 64) _mm_prefetch(at + line, kHint);
+    for (int64_t line = 0; line < kRecord; line += 64) _mm_prefetch(at + line, kHint);
   }
 };
+using GroupRecords = BlockRecords<kNibbleTile, kGroupRecord, expand_levels>;
+using Q8Records = BlockRecords<kTile, kQ8Record, expand_q8_levels>;
 
 // The factored form of row_block, for `tiles` row tiles (at most kTileRun) from row0, their
 // split terms from `a`, tile_terms apart: y rows x columns [col0, col0 + 16 kColTiles) = sum over
@@ -569,10 +589,11 @@ namespace {
 
 // W [N, K] of Format's values (as gemv_blocks rebuilds them, bit for bit) -> {levels [N / 16,
 // K / 32, 512] bf16 tiles (VNNI order; for Q4_1 only with `tiles`, else [0, K / 32, 512]), steps
-// d [N / 16, K / 32, 16] fp32}, with Q4_1 also {minimums m [K / 32, N] fp32, and the column
-// groups' records [N / 48 rounded up, K / 32, kGroupRecord] uint8 (GroupRecords: the levels in
-// four bits, d and m), which steps of every size read}; an empty list when some block is not of
-// the format (or the shape or the build does not allow the tiles).
+// d [N / 16, K / 32, 16] fp32, minimums m [K / 32, N] fp32 (Q4_1; else empty), and the column
+// groups' records, which steps of every size read: [N / 48 rounded up, K / 32, kGroupRecord]
+// uint8 for Q4_1 (GroupRecords: the levels in four bits, d and m), [..., kQ8Record] int8 for
+// Q8_0 (Q8Records: the levels a byte each, d)}; an empty list when some block is not of the
+// format (or the shape or the build does not allow the tiles).
 template <typename Format>
 std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_minimums,
                                          bool tiles = true) {
@@ -587,13 +608,14 @@ std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_
   auto steps = torch::empty({col_tiles, blocks, amx::kCols}, torch::kFloat32);
   auto mins = torch::empty({with_minimums ? blocks : 0, n}, torch::kFloat32);
   const int64_t col_groups = (col_tiles + amx::kColGroup - 1) / amx::kColGroup;
-  auto records = torch::zeros({with_minimums ? col_groups : 0, blocks, amx::kGroupRecord},
-                              torch::kUInt8);
+  const int64_t record_bytes = with_minimums ? amx::kGroupRecord : amx::kQ8Record;
+  auto records = torch::zeros({col_groups, blocks, record_bytes},
+                              with_minimums ? torch::kUInt8 : torch::kInt8);
   const float* wp = w.data_ptr<float>();
   auto* lp = reinterpret_cast<uint16_t*>(levels.data_ptr());
   float* dp = steps.data_ptr<float>();
   float* mp = mins.data_ptr<float>();
-  uint8_t* rp = records.data_ptr<uint8_t>();
+  auto* rp = reinterpret_cast<uint8_t*>(records.data_ptr());
   std::atomic<bool> exact{true};
   at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
     float scales[2];
@@ -609,11 +631,18 @@ std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_
         for (int64_t c = 0; c < amx::kSteps && tiles; ++c)   // VNNI order, as pack_amx_weight
           lp[tile * amx::kTile + (c / 2) * 2 * amx::kCols + col * 2 + c % 2] =
               amx::bf16_bits(static_cast<float>(q[c]));
-        if (!with_minimums) continue;
-        mp[b * n + row] = scales[1];
-        // The group's record of block b: four-bit tile j, then the d of every tile, then m.
+        // The group's record of block b: level tile j, then the d of every tile, then m.
         const int64_t j = row / amx::kCols % amx::kColGroup;
-        uint8_t* record = rp + (row / amx::kCols / amx::kColGroup * blocks + b) * amx::kGroupRecord;
+        uint8_t* record = rp + (row / amx::kCols / amx::kColGroup * blocks + b) * record_bytes;
+        if (!with_minimums) {   // Q8_0: bytes in the tiles' VNNI order
+          for (int64_t c = 0; c < amx::kSteps; ++c)
+            record[j * amx::kTile + (c / 2) * 2 * amx::kCols + col * 2 + c % 2] =
+                static_cast<uint8_t>(static_cast<int8_t>(q[c]));
+          reinterpret_cast<float*>(record + amx::kColGroup * amx::kTile)[j * amx::kCols + col] =
+              scales[0];
+          continue;
+        }
+        mp[b * n + row] = scales[1];
         for (int64_t c = 0; c < amx::kSteps; ++c)
           record[j * amx::kNibbleTile + (c / 2) * amx::kCols + col] |= q[c] << (4 * (c % 2));
         float* scale_at = reinterpret_cast<float*>(record + amx::kColGroup * amx::kNibbleTile);
@@ -622,7 +651,6 @@ std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_
       }
   });
   if (!exact) return {};
-  if (!with_minimums) return {levels, steps};
   return {levels, steps, mins, records};
 #else
   return {};
@@ -636,19 +664,22 @@ std::vector<torch::Tensor> pack_amx_q4_1(torch::Tensor weight, bool tiles) {
   return pack_factored<gemv_blocks::Q4_1>(weight, true, tiles);
 }
 
-// Q8_0 values (w = d q, q in -128..127: one exact bf16 too): {levels, steps}.
-std::vector<torch::Tensor> pack_amx_q8_0(torch::Tensor weight) {
-  return pack_factored<gemv_blocks::Q8_0>(weight, false);
+// Q8_0 values (w = d q, q in -128..127: one exact bf16 too): {levels (bf16 tiles only with
+// `tiles`: the tests' oracle), steps, no mins, records}.
+std::vector<torch::Tensor> pack_amx_q8_0(torch::Tensor weight, bool tiles) {
+  return pack_factored<gemv_blocks::Q8_0>(weight, false, tiles);
 }
 
 namespace {
 
-// levels: bf16 tiles, or (Q4_1) the column groups' records; mins empty for Q8_0. steps and
-// mins as packed, records or not: they give the shape.
+// levels: bf16 tiles, or the column groups' records (uint8: Q4_1's, int8: Q8_0's); mins empty
+// for Q8_0. steps and mins as packed, records or not: they give the shape.
 void check_factored(int64_t k, const torch::Tensor& levels, const torch::Tensor& steps,
                     const torch::Tensor& mins) {
-  const bool records = levels.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(!records || mins.numel() > 0, "amx_linear_factored: four-bit records are Q4_1's");
+  const bool nibbles = levels.scalar_type() == torch::kUInt8;
+  const bool bytes = levels.scalar_type() == torch::kChar, records = nibbles || bytes;
+  TORCH_CHECK(!nibbles || mins.numel() > 0, "amx_linear_factored: four-bit records are Q4_1's");
+  TORCH_CHECK(!bytes || mins.numel() == 0, "amx_linear_factored: byte records are Q8_0's");
   TORCH_CHECK(steps.dim() == 3 && steps.is_contiguous() &&
                   steps.scalar_type() == torch::kFloat32 && steps.size(2) == amx::kCols &&
                   steps.size(1) * amx::kSteps == k && levels.dim() == 3 &&
@@ -656,7 +687,8 @@ void check_factored(int64_t k, const torch::Tensor& levels, const torch::Tensor&
                   levels.sizes() ==
                       (records ? torch::IntArrayRef({(steps.size(0) + amx::kColGroup - 1) /
                                                          amx::kColGroup,
-                                                     steps.size(1), amx::kGroupRecord})
+                                                     steps.size(1),
+                                                     nibbles ? amx::kGroupRecord : amx::kQ8Record})
                                : torch::IntArrayRef({steps.size(0), steps.size(1), amx::kTile})) &&
                   (records || levels.scalar_type() == torch::kBFloat16) &&
                   mins.scalar_type() == torch::kFloat32 &&
@@ -686,22 +718,31 @@ void amx_linear_factored_into(const float* x, int64_t rows, int64_t k, const tor
                             dp + col0 / amx::kCols * blocks * amx::kCols, blocks,
                             mp != nullptr ? mp + col0 : nullptr, n};
   };
-  // Q4_1's records of the item's column group (col0 / 48)
-  const bool records = levels.scalar_type() == torch::kUInt8;
-  auto grouped = [&, rp = records ? levels.data_ptr<uint8_t>() : nullptr](int64_t col0) {
-    return amx::GroupRecords{rp + col0 / amx::kCols / amx::kColGroup * blocks * amx::kGroupRecord,
-                             blocks};
+  // the records of the item's column group (col0 / 48): Q4_1's (uint8) or Q8_0's (int8)
+  const auto type = levels.scalar_type();
+  const auto* rp = reinterpret_cast<const uint8_t*>(levels.data_ptr());
+  auto group = [&](int64_t col0, int64_t record_bytes) {
+    return rp + col0 / amx::kCols / amx::kColGroup * blocks * record_bytes;
+  };
+  // one work item from the weight's own source
+  auto item = [&](const uint16_t* a, int64_t tile_terms, int64_t tiles, const float* sums,
+                  int64_t row0, int64_t col0, int64_t cols) {
+    if (type == torch::kUInt8)
+      return amx::factored_item(a, tile_terms, tiles,
+                                amx::GroupRecords{group(col0, amx::kGroupRecord), blocks}, sums,
+                                blocks, row0, rows, col0, cols, y, n);
+    if (type == torch::kChar)
+      return amx::factored_item(a, tile_terms, tiles,
+                                amx::Q8Records{group(col0, amx::kQ8Record), blocks}, sums,
+                                blocks, row0, rows, col0, cols, y, n);
+    amx::factored_item(a, tile_terms, tiles, tiled(col0), sums, blocks, row0, rows, col0, cols,
+                       y, n);
   };
   if (rows <= amx::kRows) {
-    amx::for_each_short_tile(
-        x, rows, k, mp != nullptr, col_tiles,
-        [&](const amx::ShortStep& step, int64_t col0, int64_t cols) {
-          if (records)
-            return amx::factored_item(step.xs, 0, 1, grouped(col0), step.sums, blocks, 0, rows,
-                                      col0, cols, y, n);
-          amx::factored_item(step.xs, 0, 1, tiled(col0), step.sums, blocks, 0, rows, col0, cols,
-                             y, n);
-        });
+    amx::for_each_short_tile(x, rows, k, mp != nullptr, col_tiles,
+                             [&](const amx::ShortStep& step, int64_t col0, int64_t cols) {
+                               item(step.xs, 0, 1, step.sums, 0, col0, cols);
+                             });
     return;
   }
   auto sums = torch::empty({mp != nullptr ? rows : 0, blocks}, torch::kFloat32);
@@ -710,11 +751,7 @@ void amx_linear_factored_into(const float* x, int64_t rows, int64_t k, const tor
   amx::for_each_tile(x, rows, k, col_tiles,
                      [&](const uint16_t* a, int64_t tile_terms, int64_t tiles, int64_t row0,
                          int64_t col0, int64_t cols) {
-    if (records)
-      return amx::factored_item(a, tile_terms, tiles, grouped(col0), sp, blocks, row0, rows,
-                                col0, cols, y, n);
-    amx::factored_item(a, tile_terms, tiles, tiled(col0), sp, blocks, row0, rows, col0, cols, y,
-                       n);
+    item(a, tile_terms, tiles, sp, row0, col0, cols);
   });
 #else
   TORCH_CHECK(false, "amx_linear_factored: this build has no AMX tiles");

@@ -39,7 +39,8 @@ AMX_Q4_1_MIN_ROWS = 12
 # 11 rows 3.22 ms on the tiles against 2.71 on the panels, 12 rows 3.32 against 2.93, 13 rows
 # 3.36 against 4.01 (a second row group); warm, 12 rows were even (2.65, 2.67).
 # The Q8_0 records (levels a byte each, forty-sixth session) took the lm_head at 13-16 rows
-# from 3.27-3.57 to 2.77-3.21 ms in real decode steps; the threshold was not moved.
+# from 3.27-3.57 to 2.77-3.21 ms in real decode steps; at 10-12 rows the panels stayed as fast
+# or faster (12 rows 2.99 / 2.80 ms against 3.16 / 2.83 on the tiles).
 AMX_Q8_0_MIN_ROWS = 13
 
 KERNEL = CpuExtension("tokenmill_cpu_amx", Path(__file__).with_name("cpu_amx_kernel.cpp"),

@@ -588,12 +588,12 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
 namespace {
 
 // W [N, K] of Format's values (as gemv_blocks rebuilds them, bit for bit) -> {levels [N / 16,
-// K / 32, 512] bf16 tiles (VNNI order; for Q4_1 only with `tiles`, else [0, K / 32, 512]), steps
-// d [N / 16, K / 32, 16] fp32, minimums m [K / 32, N] fp32 (Q4_1; else empty), and the column
-// groups' records, which steps of every size read: [N / 48 rounded up, K / 32, kGroupRecord]
-// uint8 for Q4_1 (GroupRecords: the levels in four bits, d and m), [..., kQ8Record] int8 for
-// Q8_0 (Q8Records: the levels a byte each, d)}; an empty list when some block is not of the
-// format (or the shape or the build does not allow the tiles).
+// K / 32, 512] bf16 tiles (VNNI order; only with `tiles`, the tests' oracle, else [0, K / 32,
+// 512]), steps d [N / 16, K / 32, 16] fp32, minimums m [K / 32, N] fp32 (Q4_1; else empty),
+// and the column groups' records, which steps of every size read: [N / 48 rounded up, K / 32,
+// kGroupRecord] uint8 for Q4_1 (GroupRecords: the levels in four bits, d and m), [...,
+// kQ8Record] int8 for Q8_0 (Q8Records: the levels a byte each, d)}; an empty list when some
+// block is not of the format (or the shape or the build does not allow the tiles).
 template <typename Format>
 std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_minimums,
                                          bool tiles = true) {

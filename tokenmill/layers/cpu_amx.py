@@ -4,9 +4,10 @@ weights, decode steps of 12 rows or more; see cpu_amx_kernel.cpp.
 Weights that are exactly GGUF Q4_1 values (d q + m a block of 32 inputs) are kept as their
 levels in four bits, with each block's d and m, in one run of records a column group (rebuilt
 as bf16 tiles in L1: the factored form, three tile products a block), Q8_0 values (d q) the
-same way with their levels a byte each and d; other weights that are exactly two bf16 numbers each (hi +
-lo: fp16 or bf16 checkpoints) as hi and lo tiles (five). The step's input is split into three bf16 numbers a value, and
-the tile unit sums exact products in fp32: as accurate as an fp32 GEMM, in another order.
+same way with their levels a byte each and d; other weights that are exactly two bf16 numbers
+each (hi + lo: fp16 or bf16 checkpoints) as hi and lo tiles (five). The step's input is split
+into three bf16 numbers a value, and the tile unit sums exact products in fp32: as accurate as
+an fp32 GEMM, in another order.
 Other weights, and CPUs without AMX, keep oneDNN.
 """
 

@@ -5,8 +5,8 @@ serves allocations above its mmap threshold with fresh mmaps, and first touch of
 faults; in a VM that cost more than the arithmetic (a batch-32 decode step spent more than half
 its time there). So malloc never maps (M_MMAP_MAX 0) and trims only a free top above 2 GB:
 those buffers come from, and go back to, the heap, which grows to the largest working set and
-keeps it, and later steps reuse warm pages. vLLM's CPU docs reach the same end with tcmalloc via LD_PRELOAD;
-mallopt does it in-process for any entry point.
+keeps it, and later steps reuse warm pages. vLLM's CPU docs reach the same end with tcmalloc
+via LD_PRELOAD; mallopt does it in-process for any entry point.
 
 The one time freed memory should go back is after loading: the loader's fp32 weights (540 MB
 for SmolLM2-135M) are freed once packed into panels and tiles, and a heap that keeps

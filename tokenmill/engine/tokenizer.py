@@ -7,6 +7,8 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
+from tokenmill.engine.segment_cache import SegmentCache
+
 
 def message_text(content: Any, index: int) -> str:
     """OpenAI message content: a string or a list of {"type": "text", "text": ...} parts."""
@@ -33,8 +35,13 @@ class Tokenizer:
         self.backend = self.hf.backend_tokenizer
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.vocab_size = len(self.hf)
+        self.segments = SegmentCache.for_backend(self.backend)
+        # with no ids to add, the post-processor leaves encode(text, True)'s ids as False's
+        self.adds_no_ids = self.backend.num_special_tokens_to_add(False) == 0
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.segments is not None and (self.adds_no_ids or not add_special_tokens):
+            return self.segments.encode(text)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -55,6 +55,13 @@ def max_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> float
     return (got.double() - x.double() @ weight.double().T).abs().max().item()
 
 
+def roundoff_slack(x: torch.Tensor, weight: torch.Tensor) -> float:
+    """A few fp32 unit roundoffs of the largest sum of |x w|: what a dot product's error may
+    be for no fault of its own. F.linear's distance alone can be far smaller when its roundings
+    happen to cancel (a 480-term hi + lo dot, seed 2182: 6.9e-7, the tiles' 3.0e-6)."""
+    return 2**-22 * (x.double().abs() @ weight.double().abs().T).max().item()
+
+
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 300), blocks=st.integers(1, 20), col_tiles=st.integers(1, 13),
        seed=st.integers(0, 2**16), kind=st.sampled_from(sorted(WEIGHTS)))
@@ -72,7 +79,7 @@ def test_as_accurate_as_an_fp32_gemm(rows, blocks, col_tiles, seed, kind):
     got = amx_linear(x, packed)
     assert got.shape == (rows, col_tiles * 16)
     reference_error = max_error(F.linear(x, weight), x, weight)
-    assert max_error(got, x, weight) <= 2 * reference_error + 1e-6
+    assert max_error(got, x, weight) <= 2 * reference_error + roundoff_slack(x, weight)
 
 
 def test_bf16_and_q4_1_weights_are_taken_and_exact():
@@ -84,7 +91,7 @@ def test_bf16_and_q4_1_weights_are_taken_and_exact():
         packed = pack_amx_weight(weight, factored)
         assert packed is not None and (packed.steps is not None) == factored
         assert max_error(amx_linear(x, packed), x, weight) <= \
-            2 * max_error(F.linear(x, weight), x, weight) + 1e-6
+            2 * max_error(F.linear(x, weight), x, weight) + roundoff_slack(x, weight)
 
 
 @pytest.mark.skipif(not (huge_pages_supported() and thp_enabled()),
@@ -207,4 +214,5 @@ def test_every_thread_count_gives_the_same_bits(kind, rows, inputs):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
-    assert max_error(outputs[0], x, weight) <= 2 * max_error(F.linear(x, weight), x, weight) + 1e-6
+    assert max_error(outputs[0], x, weight) <= (2 * max_error(F.linear(x, weight), x, weight)
+                                                + roundoff_slack(x, weight))

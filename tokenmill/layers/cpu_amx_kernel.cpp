@@ -223,23 +223,32 @@ void block_sums(const float* x, int64_t rows, int64_t k, float* sums) {
   });
 }
 
-// Q4_1 levels four bits each, in the tiles' VNNI order: byte j of a tile row i holds the levels
-// of column j at k = 2i (low nibble) and 2i + 1 (high), so a tile is 256 bytes, not 1 KB.
-// A tile of levels from its nibbles, as bf16 (16 rows of 32), into `out`: each byte widened to
-// a 32-bit lane holding its two levels as 16-bit numbers, which a table turns into bf16.
+// Q4_1 levels four bits each, for the tiles' VNNI order (tile row i: k = 2i and 2i + 1 of each
+// of the 16 columns, 32 words): a tile is 256 bytes, not 1 KB. Rows 2p and 2p + 1 share 32
+// bytes: byte w holds word w of row 2p in its low nibble and of row 2p + 1 in its high one.
+inline int64_t nibble_at(int64_t c, int64_t col) { return c / 4 * 32 + col * 2 + c % 2; }
+inline int nibble_shift(int64_t c) { return 4 * (c / 2 % 2); }
+
+// A tile of levels from its nibbles, as bf16 (16 rows of 32), into `out`: a row pair's 32
+// bytes widened to 16-bit words, which a table turns into bf16, the words as they are for the
+// first row and shifted down four bits for the second. A 16-bit permute reads only an index's
+// low five bits, and the table holds bf16 of 0..15 twice over, so the first row's words need
+// no mask. Two vector operations a row: the tile unit's products and the vector work of a
+// block take turns, not overlap (docs/benchmarks.md, forty-eighth session), so each counts.
 inline void expand_levels(const uint8_t* nibbles, uint16_t* out) {
   alignas(64) static const uint16_t kLevels[32] = {
-      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};   // bf16 of 0..15
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,   // bf16 of 0..15
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,   // and again
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
   const __m512i table = _mm512_load_si512(kLevels);
-  const __m512i low = _mm512_set1_epi32(0x0f), high = _mm512_set1_epi32(0xf0);
 #pragma GCC unroll 4
-  for (int row = 0; row < kRows; ++row) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles + row * 16)));
-    const __m512i pairs = _mm512_or_si512(_mm512_and_si512(bytes, low),
-                                          _mm512_slli_epi32(_mm512_and_si512(bytes, high), 12));
-    _mm512_store_si512(out + row * 32, _mm512_permutexvar_epi16(pairs, table));
+  for (int pair = 0; pair < kRows / 2; ++pair) {
+    const __m512i words = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + pair * 32)));
+    _mm512_store_si512(out + pair * 64, _mm512_permutexvar_epi16(words, table));
+    _mm512_store_si512(out + pair * 64 + 32,
+                       _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table));
   }
 }
 
@@ -644,7 +653,7 @@ std::vector<torch::Tensor> pack_factored(const torch::Tensor& weight, bool with_
         }
         mp[b * n + row] = scales[1];
         for (int64_t c = 0; c < amx::kSteps; ++c)
-          record[j * amx::kNibbleTile + (c / 2) * amx::kCols + col] |= q[c] << (4 * (c % 2));
+          record[j * amx::kNibbleTile + amx::nibble_at(c, col)] |= q[c] << amx::nibble_shift(c);
         float* scale_at = reinterpret_cast<float*>(record + amx::kColGroup * amx::kNibbleTile);
         scale_at[j * amx::kCols + col] = scales[0];
         scale_at[(amx::kColGroup + j) * amx::kCols + col] = scales[1];

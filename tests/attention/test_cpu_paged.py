@@ -71,7 +71,8 @@ CASES = [  # (seq_lens, kv_heads, groups, shared prefix, sliding window)
     ([40, 600, 1, 77, 300], 2, 5, 64, None),    # one key per pass; heads together per item
     ([3, 250, 1, 77], 3, 9, 0, 30),        # generic groups, a window
     ([257, 270, 300, 20, 290, 400], 3, 3, 256, None),   # a shared run cut by a short request
-    # requests over a common prefix of 4+ blocks attend it together, in chunks of 16 blocks
+    # requests over a common prefix of 4+ blocks attend it together, in chunks of 16 blocks or
+    # more (with 2 threads: two a kv head for 3 kv heads, here 34 and 19 blocks; four for one)
     ([1100 + 3 * i for i in range(16)] + [40, 700], 3, 3, 1088, None),
     ([1100, 1090, 1200], 1, 9, 1024, None),
     ([600, 610, 5, 620, 900], 3, 1, 592, None),   # one query head per kv head; a 1-block tail

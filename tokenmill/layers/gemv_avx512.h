@@ -364,6 +364,27 @@ void tall_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, in
   });
 }
 
+// fn(begin, end) over the panels [0, panels) in chunks of whole `unit`s, kChunksPerThread a
+// thread: each thread streams its own share front to back and takes the other's last chunks
+// when done first (kernels/work_sharing.h's owned items); the tiles ask for the panels past
+// their chunk's end too (`after`), mostly the same thread's next chunk. Chunks from a shared
+// counter (8 a thread) broke each thread's stream at every chunk's end and sent the two
+// threads through the weights interleaved. Whole decode steps offline, the two switched step
+// by step in one process (medians, 2-core Xeon): factored, 1 row 6.51 -> 6.21 ms and 5.92 ->
+// 5.53, 4 rows 11.14 -> 10.39, 6 rows 15.00 -> 14.45; rebuilt, 7 rows 18.65 -> 18.19, 8 rows
+// 20.32 -> 19.81, 10 rows 25.95 -> 25.36, 11 rows 26.37 -> 26.32. (One chunk a thread, no
+// stealing: factored 6.23, 5.55, 10.26 and 14.04; owned chunks without the ask across their
+// ends gained little: 5.91, 11.01.)
+constexpr int64_t kChunksPerThread = 4;
+
+template <typename Fn>
+void owned_chunks(int64_t panels, int64_t unit, const Fn& fn) {
+  const int64_t chunk = tokenmill_parallel::chunk_for(panels, unit, kChunksPerThread);
+  tokenmill_parallel::parallel_owned_items(
+      (panels + chunk - 1) / chunk, [] { return 0; },
+      [&](int, int64_t item) { fn(item * chunk, std::min(panels, item * chunk + chunk)); });
+}
+
 // The same over compact panels of format F: one row group rebuilds every weight in registers
 // as it goes (block_tile, several panels side by side), on Zen 4 up to kTallRouteMaxRows rows
 // take tall tiles, and more rows share a staged slice (staged_pass).
@@ -375,12 +396,17 @@ void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, i
   const RowGroups groups(m);
   const int64_t stride = k_len / gemv_blocks::kSteps * F::kBlockBytes;
   const int64_t unit = groups.count == 1 ? side_panels(m) : kGroupSide;
-  const int64_t chunk = tokenmill_parallel::chunk_for(panels, unit);
-  tokenmill_parallel::parallel_chunks(panels, chunk, [&](int64_t begin, int64_t end) {
-    if (groups.count > 1) return staged_pass<F>(groups, x, k_len, wp, stride, begin, end, y, n);
+  if (groups.count > 1) {
+    const int64_t chunk = tokenmill_parallel::chunk_for(panels, unit);
+    tokenmill_parallel::parallel_chunks(panels, chunk, [&](int64_t begin, int64_t end) {
+      staged_pass<F>(groups, x, k_len, wp, stride, begin, end, y, n);
+    });
+    return;
+  }
+  owned_chunks(panels, unit, [&](int64_t begin, int64_t end) {
     side_by_side(m, end - begin, [&]<int R, int P>(int64_t p) {
       const int64_t panel = begin + p;
-      const uint8_t* after = panel + P < end ? wp + (panel + P) * stride : nullptr;
+      const uint8_t* after = panel + P < panels ? wp + (panel + P) * stride : nullptr;
       block_tile<F, R, P>(x, k_len, wp + panel * stride, stride, k_len, y + panel * kPanel, n,
                           after);
     });
@@ -478,17 +504,6 @@ void factored_tile(const float* x, int64_t ldx, const float* sums, int64_t block
   store_tile<R, P>(acc, y, ldy);
 }
 
-// Chunks of a factored linear's panels per thread. Each thread streams its own share of
-// chunks front to back, asking for the next chunk's first blocks as it ends one, and takes
-// the other's last chunks when done first (kernels/work_sharing.h's owned items). Chunks from
-// a shared counter (8 a thread) broke every thread's stream at each chunk's end and sent the
-// two threads through the weights interleaved. Whole decode steps offline, the two switched
-// step by step in one process (medians, 2-core Xeon): 1 row 6.51 -> 6.21 ms and 5.92 -> 5.53,
-// 4 rows 11.14 -> 10.39, 6 rows 15.00 -> 14.45. (One chunk a thread, no stealing, measured
-// 6.23, 5.55, 10.26 and 14.04; owned chunks without the ask across their ends gained little:
-// 5.91, 11.01.)
-constexpr int64_t kFactoredChunksPerThread = 4;
-
 // y[m, 16 panels] = x[m, k_len] @ compact panels of format F, m <= factored_max_rows(),
 // factored.
 // A row's result does not depend on m (the same sums and FMAs in the same order) nor on the
@@ -509,15 +524,10 @@ void factored_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp
           _mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)));
     }
   const int64_t stride = blocks * F::kBlockBytes;
-  const int64_t chunk = tokenmill_parallel::chunk_for(panels, factored_side_panels(m),
-                                                      kFactoredChunksPerThread);
-  const int64_t chunks = (panels + chunk - 1) / chunk;
-  tokenmill_parallel::parallel_owned_items(chunks, [] { return 0; }, [&](int, int64_t item) {
-    const int64_t begin = item * chunk, end = std::min(panels, begin + chunk);
+  owned_chunks(panels, factored_side_panels(m), [&](int64_t begin, int64_t end) {
     with_rows_in<1, kFactoredMaxRowsAnywhere>(m, [&]<int R>() {
       constexpr int kSide = factored_side_panels(R);
       const auto at = [&]<int P>(int64_t panel) {
-        // past the chunk's end too: the next chunk is mostly this thread's own next one
         const uint8_t* after = panel + P < panels ? wp + (panel + P) * stride : nullptr;
         factored_tile<F, R, P>(x, k_len, sums, blocks, wp + panel * stride, stride,
                                y + panel * kPanel, n, after);

@@ -465,9 +465,12 @@ constexpr int factored_side_panels(int64_t rows) {
 // switched step by step in one process (medians of 600-1,200 steps, 2-core Xeon): 1 row 6.54
 // / 6.30 / 6.35 ms and 6.34 / 6.11 / 6.19 ms, 2 rows 7.83 / 7.58 / 7.76, 4 rows 11.87 / 11.53 /
 // 11.82, 6 rows 15.72 / 15.21 / 15.45; at 1 row, 1 / 2 / 4 / 8 blocks ahead 6.26 / 6.00 / 6.14
-// / 6.32 ms. The same bytes in fewer waits; the outputs do not change. (block_tile's
+// / 6.32 ms. With each thread streaming its own chunks (owned_chunks), further ahead paid
+// again: two / three / four / six, 1 row 6.43 / 6.26 / 6.19 and 6.19 / 5.96 / 6.00 / 6.01 ms,
+// 2 rows 8.53 / 8.38 / 8.52 / 8.40, 4 rows 11.20 / 10.95 / 11.03, 6 rows 14.97 / 14.70 /
+// 14.85 / 14.66. The same bytes in fewer waits; the outputs do not change. (block_tile's
 // rebuilding steps of 8 and 10 rows measured even at two ahead: left at one.)
-constexpr int64_t kFactoredAhead = 2;
+constexpr int64_t kFactoredAhead = 3;
 
 // y[R, 16 P] = x[R, k_len] @ P compact panels of format F (`panel_stride` bytes apart),
 // factored; sums[r * blocks + b] (Q4_1's m terms): row r's sum of x over block b. A block's

@@ -140,6 +140,14 @@ def test_min_tokens_masks_eos_and_stop_tokens():
     assert sample(logits, [row(params, index=2)])[0] == [0]
 
 
+def test_min_tokens_with_ignore_eos_and_no_stop_tokens_masks_nothing():
+    logits = torch.tensor([[9.0, 1.0, 8.0, 0.0]])   # eos is 0
+    params = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert sample(logits, [row(params, index=0)])[0] == [0]
+    with_stop = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True, stop_token_ids=[0])
+    assert sample(logits, [row(with_stop, index=0)])[0] == [2]
+
+
 def test_logprobs_rank_and_top():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     _, lps = sample(logits, [row(SamplingParams(temperature=0, logprobs=2))])

@@ -35,9 +35,19 @@ def _mix_seed(seed: int, index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) % (2 ** 63 - 1)
 
 
+def _min_tokens_banned(row: SamplingRow) -> set[int]:
+    """The ids masked while the request is short of min_tokens: its stop tokens, and EOS
+    unless it ignores EOS (then, with no stop tokens, nothing: the step's logits are left
+    as they are, not copied)."""
+    p = row.params
+    if row.output_index >= p.min_tokens:
+        return set()
+    return set(p.stop_token_ids) | (set() if p.ignore_eos else set(row.eos_token_ids))
+
+
 def _needs_processing(row: SamplingRow) -> bool:
     p = row.params
-    return bool(p.logit_bias) or p.uses_penalties or row.output_index < p.min_tokens
+    return bool(p.logit_bias) or p.uses_penalties or bool(_min_tokens_banned(row))
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]
@@ -104,10 +114,9 @@ def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), device=logits.device)
             logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
-        if row.output_index < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(row.eos_token_ids))
-            if banned:
-                logits[i, torch.tensor(sorted(banned), device=logits.device)] = _MASK
+        banned = _min_tokens_banned(row)
+        if banned:
+            logits[i, torch.tensor(sorted(banned), device=logits.device)] = _MASK
     penalized = [i for i, r in enumerate(rows) if r.params.uses_penalties]
     if penalized:
         index = torch.tensor(penalized, device=logits.device)

@@ -297,6 +297,39 @@ def test_prefill_kernel_output_is_the_same_on_any_number_of_threads():
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
+
+def test_outputs_do_not_depend_on_what_earlier_calls_left_in_the_kept_scratch():
+    # Each thread keeps its scratch from call to call. Larger calls over NaN caches between two
+    # runs of small ones fill it with NaNs past what the small ones use: an element read before
+    # it is written would show in the second run.
+    kernel, scale = load_kernel(), HEAD_DIM ** -0.5
+    gen = torch.Generator().manual_seed(11)
+
+    def small_calls():
+        gen.manual_seed(11)
+        query, _, _, caches, span = random_prefill(gen, 40, 7, 3, 3, BLOCK_SIZE, HEAD_DIM)
+        prefill = torch.empty_like(query)
+        assert call_prefill(kernel, prefill, query, caches, span.block_table, span.seq_len,
+                            scale)
+        seq_lens = [70, 5]
+        decode = run_decode(CpuPagedBackend(9, 3, HEAD_DIM, scale), query[:2], caches,
+                            metadata(random_decode_batch(gen, seq_lens, 0), seq_lens, None))
+        return prefill, decode
+
+    first = small_calls()
+    query, _, _, caches, span = random_prefill(gen, 600, 300, 3, 5, BLOCK_SIZE, HEAD_DIM)
+    for cache in caches:
+        cache.fill_(float("nan"))
+    call_prefill(kernel, torch.empty_like(query), query, caches, span.block_table,
+                 span.seq_len, scale)
+    seq_lens = [900, 700, 30, 50, 60, 70, 80, 90]   # a slice each: in the kept scratch
+    run_decode(CpuPagedBackend(15, 3, HEAD_DIM, scale), query[:8], caches,
+               metadata(random_decode_batch(gen, seq_lens, 0), seq_lens, None))
+    second = small_calls()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert not any(t.isnan().any() for t in second)
+
+
 AVX512_TILES = load_kernel() is not None and load_kernel().paged_attention_has_avx512()
 
 

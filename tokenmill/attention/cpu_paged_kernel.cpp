@@ -103,6 +103,12 @@ std::vector<SharedGroup> find_shared_groups(const int64_t* table, const int64_t*
   return groups;
 }
 
+// Grows v to at least n elements, for scratch kept from call to call (whatever an earlier
+// call left in it stays: the kernels write every element before they read it).
+template <typename T>
+void grow_to(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
 
 #ifdef __AVX2__
 // Groups of fewer rows (requests x query heads of a kv head) take the row tiles over
@@ -415,17 +421,23 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   // Partial softmax state of every slice; a request in one slice is normalized in place.
   std::vector<float> part_acc(parts > num ? parts * rows * s.dim : 0), part_max(parts * rows),
       part_sum(parts * rows);
+  // Each thread's scratch is kept from call to call (thread_local). Made inside the parallel
+  // region, both threads' buffers came from the one heap (worker/host_memory.py) at once and
+  // one slept on its lock: 15-19 futex sleeps of the main thread a step, 16 requests of 200-264
+  // tokens (0.03 kept), and such decode steps 3.0% longer, in one process alternately.
   struct Scratch {
     std::vector<float> q_buf, scores, acc;
   };
   const auto make_scratch = [&] {
-    return Scratch{std::vector<float>(rows * s.dim),
-                   std::vector<float>(rows * s.block_size), std::vector<float>(rows * s.dim)};
+    thread_local Scratch kept;
+    grow_to(kept.q_buf, rows * s.dim), grow_to(kept.scores, rows * s.block_size);
+    grow_to(kept.acc, rows * s.dim);
+    return &kept;
   };
   // one slice at a time from the shared counter (kernels/work_sharing.h)
   tokenmill_parallel::parallel_chunks_with(static_cast<int64_t>(slices.size()), 1, make_scratch,
-                                           [&](Scratch& scratch, int64_t begin, int64_t end) {
-    auto& [q_buf, scores, acc] = scratch;
+                                           [&](Scratch* scratch, int64_t begin, int64_t end) {
+    auto& [q_buf, scores, acc] = *scratch;
     for (int64_t i = begin; i < end; ++i) {
       const Slice& slice = slices[i];
       const int64_t r = slice.request;
@@ -608,16 +620,19 @@ bool paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
     std::vector<float> q_buf, kt, scores, acc, mx, sm;
     std::vector<int64_t> pos;
   };
+  // kept by each thread, as paged_decode_attention's (16- and 128-token prefills 3.5% and 4.8%
+  // shorter than with a new one a call)
   const auto make_scratch = [&] {
-    return Scratch{std::vector<float>(row_block * dim),
-                   std::vector<float>(dim * step_keys(s.block_size)),
-                   std::vector<float>(row_block * step_keys(s.block_size)),
-                   std::vector<float>(row_block * dim), std::vector<float>(row_block),
-                   std::vector<float>(row_block), std::vector<int64_t>(row_block)};
+    thread_local Scratch kept;
+    grow_to(kept.q_buf, row_block * dim), grow_to(kept.kt, dim * step_keys(s.block_size));
+    grow_to(kept.scores, row_block * step_keys(s.block_size));
+    grow_to(kept.acc, row_block * dim), grow_to(kept.mx, row_block);
+    grow_to(kept.sm, row_block), grow_to(kept.pos, row_block);
+    return &kept;
   };
   tokenmill_parallel::parallel_chunks_with(static_cast<int64_t>(items.size()), 1, make_scratch,
-                                           [&](Scratch& scratch, int64_t begin, int64_t end) {
-    auto& [q_buf, kt, scores, acc, mx, sm, pos] = scratch;
+                                           [&](Scratch* scratch, int64_t begin, int64_t end) {
+    auto& [q_buf, kt, scores, acc, mx, sm, pos] = *scratch;
     for (int64_t i = begin; i < end; ++i) {
       const PrefillItem& item = items[i];
       const PrefillChunk& chunk = batch[item.chunk];

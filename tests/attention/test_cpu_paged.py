@@ -11,7 +11,7 @@ from tests.helpers.isa import avx2_tiles
 from tokenmill import SamplingParams
 from tokenmill.attention.cpu_paged import CpuPagedBackend, load_kernel
 from tokenmill.attention.metadata import AttentionMetadata, PrefillSpan
-from tokenmill.attention.torch_ref import TorchReferenceBackend
+from tokenmill.attention.torch_ref import TorchReferenceBackend, write_kv
 
 BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS = 16, 64, 800
 
@@ -329,6 +329,33 @@ def test_outputs_do_not_depend_on_what_earlier_calls_left_in_the_kept_scratch():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     assert not any(t.isnan().any() for t in second)
 
+
+
+@settings(max_examples=20, deadline=None)
+@given(tokens=st.integers(1, 70), kv_heads=st.sampled_from([1, 3]), seed=st.integers(0, 2**16))
+def test_cache_writes_equal_index_copys_bitwise(tokens, kv_heads, seed):
+    # The backend's C++ row copies leave the caches bitwise as the reference's index_copy_
+    # does, for keys and values that are views into a wider qkv projection.
+    gen = torch.Generator().manual_seed(seed)
+    heads = 3 * kv_heads
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, HEAD_DIM, generator=gen)
+    key, value = qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:tokens]
+    shape = (NUM_BLOCKS, BLOCK_SIZE, kv_heads, HEAD_DIM)
+    expected = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    got = tuple(c.clone() for c in expected)
+    write_kv(key, value, *expected, slots)
+    CpuPagedBackend(heads, kv_heads, HEAD_DIM, 1.0)._write_kv(key, value, *got, slots)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_cache_writes_reject_a_slot_out_of_range_and_write_nothing():
+    shape = (4, BLOCK_SIZE, 3, HEAD_DIM)
+    caches = (torch.zeros(shape), torch.zeros(shape))
+    rows = torch.ones(2, 3, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        load_kernel().write_kv_slots(rows, rows, *caches, torch.tensor([1, 4 * BLOCK_SIZE]))
+    assert not any(c.any() for c in caches)
 
 AVX512_TILES = load_kernel() is not None and load_kernel().paged_attention_has_avx512()
 

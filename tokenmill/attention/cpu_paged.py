@@ -27,7 +27,7 @@ from tokenmill.kernels.cpp_build import AVX2_MATH, ENTRY_POINTS, WORK_SHARING, C
 PARTS = tuple(Path(__file__).with_name(part) for part in (
     "paged_softmax.h", "paged_decode_rows.h", "paged_row_tiles.h", "paged_shared_lanes.h"))
 KERNEL = CpuExtension("tokenmill_cpu_paged", Path(__file__).with_name("cpu_paged_kernel.cpp"),
-                      ["paged_decode_attention", "paged_prefill_attention",
+                      ["paged_decode_attention", "paged_prefill_attention", "write_kv_slots",
                        "paged_attention_has_avx512", "paged_attention_use_avx512",
                        "entry_points"],
                       "cpu_paged attention kernel", "the torch reference backend",
@@ -47,6 +47,11 @@ def sdpa_min_uncached(kernel) -> int | None:
     return None if kernel is not None and kernel.paged_attention_has_avx512() else SDPA_MIN_UNCACHED
 
 
+def _heads_contiguous(rows: torch.Tensor) -> bool:
+    """[tokens, heads, head_dim] with each token's heads in one contiguous run."""
+    return rows.stride(-1) == 1 and rows.stride(-2) == rows.shape[-1]
+
+
 class CpuPagedBackend(TorchReferenceBackend):
     """Reference backend whose fp32 CPU decodes run the paged C++ kernel."""
 
@@ -56,6 +61,18 @@ class CpuPagedBackend(TorchReferenceBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.kernel = load_kernel()
         self.sdpa_from = sdpa_min_uncached(self.kernel)
+
+    def _write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """A row copy a token in C++: index_copy_ took 3-6.5% of a prefill step; in one
+        process, alternate prefills of 16 / 128 / 512 tokens 24.6 -> 23.5, 92.0 -> 88.3 and
+        346.1 -> 346.9 ms."""
+        if (self.kernel is not None and key.dtype == value.dtype == k_cache.dtype == torch.float32
+                and k_cache.device.type == "cpu" and _heads_contiguous(key)
+                and _heads_contiguous(value)):
+            self.kernel.write_kv_slots(key, value, k_cache, v_cache, slot_mapping)
+        else:
+            super()._write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -66,13 +66,17 @@ class TorchReferenceBackend:
         Returns [num_tokens, heads * head_dim].
         """
         k_cache, v_cache = kv_cache
-        write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        self._write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         if meta.num_decodes:
             out[:meta.num_decodes] = self._decode(query[:meta.num_decodes], k_cache, v_cache, meta)
         if meta.prefills:
             self._prefills(query, key, value, k_cache, v_cache, meta, out)
         return out.view(query.shape[0], -1)
+
+    def _write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def _prefills(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -425,7 +425,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   // Each thread's scratch is kept from call to call (thread_local). Made inside the parallel
   // region, both threads' buffers came from the one heap (worker/host_memory.py) at once and
   // one slept on its lock: 15-19 futex sleeps of the main thread a step, 16 requests of 200-264
-  // tokens (0.03 kept), and such decode steps 3.0% longer, in one process alternately.
+  // tokens (0.03 kept), and such decode steps 1.0-3.0% longer, in one process alternately.
   struct Scratch {
     std::vector<float> q_buf, scores, acc;
   };

@@ -16,6 +16,7 @@ from tests.helpers.isa import avx2_tiles, switched_off
 from tests.helpers.memory_maps import on_huge_page_memory, thp_enabled
 from tokenmill.kernels.huge_pages import huge_pages_supported
 from tokenmill.layers.cpu_gemv import GEMV_COMPACT_MAX_ROWS, GEMV_MAX_ROWS, load_kernel
+from tokenmill.layers.embedding import Embedding
 from tokenmill.layers.linear import Linear, onednn_available
 
 pytestmark = pytest.mark.skipif(
@@ -197,6 +198,48 @@ def test_compact_panels_give_bitwise_the_fp32_panels_output(fmt, rows, blocks, p
         for row in range(rows):
             assert torch.equal(kernel.gemv_linear(x[row:row + 1].contiguous(), compact),
                                together[row:row + 1]), row
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@settings(max_examples=25, deadline=None)
+@given(panels=st.integers(1, 6), blocks=st.integers(1, 20),
+       shape=st.sampled_from([(0,), (1,), (37,), (3, 5)]), seed=st.integers(0, 2**16))
+def test_compact_panels_give_back_the_rows_they_hold(fmt, panels, blocks, shape, seed):
+    # The embedding of a tied lm_head reads its rows from the panels (layers/embedding.py):
+    # every row the same fp32 value as the weight's, whichever column of its panel it is.
+    make, packer, _ = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(seed)
+    kernel = load_kernel()
+    weight = make(gen, panels * 16, blocks * 32)
+    compact = getattr(kernel, packer)(weight)
+    ids = torch.randint(0, panels * 16, shape, generator=gen)
+    assert torch.equal(kernel.compact_panel_rows(compact, ids), F.embedding(ids, weight))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compact_panel_rows_reject_ids_out_of_range(fmt):
+    make, packer, _ = FORMATS[fmt]
+    compact = getattr(load_kernel(), packer)(make(torch.Generator().manual_seed(3), 32, 64))
+    for bad in (32, -1):
+        with pytest.raises(RuntimeError, match=f"id {bad} out of range"):
+            load_kernel().compact_panel_rows(compact, torch.tensor([0, bad]))
+    with pytest.raises(RuntimeError, match="int64 ids"):
+        load_kernel().compact_panel_rows(compact, torch.tensor([0], dtype=torch.int32))
+
+
+def test_embedding_reads_its_rows_from_panels_of_its_own_table_only():
+    gen = torch.Generator().manual_seed(5)
+    table = q8_0_weight(gen, 48, 64)
+    embedding = Embedding(48, 64)
+    embedding.weight.data.copy_(table)
+    other = load_kernel().pack_gemv_q8(q8_0_weight(gen, 48, 64))
+    with pytest.raises(ValueError, match="do not hold this table"):
+        embedding.read_from_panels(other)
+    assert embedding.panels is None and torch.equal(embedding.weight, table)
+    embedding.read_from_panels(load_kernel().pack_gemv_q8(table))
+    assert embedding.weight is None
+    ids = torch.tensor([47, 0, 16, 15, 47])
+    assert torch.equal(embedding(ids), table[ids])
 
 
 FACTORED = load_kernel() is not None and load_kernel().gemv_use_factored(True)

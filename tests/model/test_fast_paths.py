@@ -68,6 +68,9 @@ def fast_path_active(llm) -> bool:
             # the default model is Q4_1 with a Q8_0 embedding (the tied lm_head)
             and (layer.mlp.gate_up_proj.gemv_compact is not None) == gemv
             and (model.lm_head.gemv_compact is not None) == gemv
+            # which then serves as the embedding table, the fp32 one dropped
+            and (model.model.embed_tokens.panels is not None) == gemv
+            and (model.model.embed_tokens.weight is None) == gemv
             # fp32 panels only for steps the compact ones do not take
             and all((linear.gemv_weight is not None)
                     == (gemv and GEMV_COMPACT_MAX_ROWS[linear.gemv_compact.dtype]
@@ -158,6 +161,7 @@ def test_compact_panels_leave_tokens_unchanged_and_rebuilt_ones_every_bit(make_l
         model = llm.engine.core.worker.runner.model
         expected = compact and load_gemv_kernel() is not None
         assert (model.lm_head.gemv_compact is not None) == expected               # Q8_0
+        assert (model.model.embed_tokens.panels is not None) == expected   # tied to the lm_head
         assert (model.model.layers[0].mlp.down_proj.gemv_compact is not None) == expected
         modes = ("factored", "rebuilt") if compact else ("fp32",)
         for mode in modes:

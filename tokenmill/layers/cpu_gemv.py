@@ -70,8 +70,8 @@ ROW_GROUPS = Path(__file__).with_name("gemv_rows.h")       # shared by both tile
 AVX512_TILES = Path(__file__).with_name("gemv_avx512.h")
 KERNEL = CpuExtension("tokenmill_cpu_gemv", Path(__file__).with_name("cpu_gemv_kernel.cpp"),
                       ["pack_gemv_weight", "pack_gemv_q4", "pack_gemv_q8", "gemv_linear",
-                       "gemv_use_avx512", "gemv_use_factored", "gemv_factored_max_rows",
-                       "entry_points"], "cpu_gemv linear kernel",
+                       "compact_panel_rows", "gemv_use_avx512", "gemv_use_factored",
+                       "gemv_factored_max_rows", "entry_points"], "cpu_gemv linear kernel",
                       "oneDNN at every batch size",
                       headers=(ENTRY_POINTS, WORK_SHARING, BLOCK_FORMATS, ROW_GROUPS,
                                AVX512_TILES))

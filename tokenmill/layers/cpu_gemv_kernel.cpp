@@ -508,6 +508,52 @@ torch::Tensor gemv_linear(torch::Tensor x, torch::Tensor packed) {
   return y;
 }
 
+// Rows `ids` of the weight that compact panels hold ([n] -> [n, K]), rebuilt as the fp32
+// values the packer checked: a tied lm_head's panels serve as the token embedding table. One
+// row reads its panel's blocks (16 rows' worth), but those stay warm from the lm_head's reads
+// every step, where rows of a separate fp32 table sit cold (layers/embedding.py).
+template <typename F>
+static void compact_rows(const uint8_t* panels, int64_t blocks, const int64_t* ids, int64_t n,
+                         float* out) {
+  const int64_t k = blocks * gemv_blocks::kSteps;
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* block = panels + ids[t] / kPanel * blocks * F::kBlockBytes;
+      const int64_t col = ids[t] % kPanel;
+      float* row = out + t * k;
+      for (int64_t b = 0; b < blocks; ++b, block += F::kBlockBytes)
+        for (int64_t i = 0; i < gemv_blocks::kSteps; ++i)
+          row[b * gemv_blocks::kSteps + i] = F::weight(block, col, i);
+    }
+  });
+}
+
+torch::Tensor compact_panel_rows(torch::Tensor packed, torch::Tensor ids) {
+  const auto kind = packed.scalar_type();
+  TORCH_CHECK((kind == torch::kUInt8 || kind == torch::kInt8) && packed.dim() == 2 &&
+              packed.is_contiguous(), "compact_panel_rows: compact (Q4_1 or Q8_0) panels");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64, "compact_panel_rows: int64 ids");
+  const auto flat = ids.contiguous().view(-1);
+  const int64_t n = flat.numel(), rows = gemv_out_features(packed);
+  const int64_t block_bytes = kind == torch::kUInt8 ? gemv_blocks::Q4_1::kBlockBytes
+                                                    : gemv_blocks::Q8_0::kBlockBytes;
+  TORCH_CHECK(packed.size(1) % block_bytes == 0, "compact_panel_rows: not whole blocks");
+  const int64_t blocks = packed.size(1) / block_bytes;
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < rows, "compact_panel_rows: id ", id[t],
+                " out of range [0, ", rows, ")");
+  auto sizes = ids.sizes().vec();
+  sizes.push_back(blocks * gemv_blocks::kSteps);
+  auto out = torch::empty(sizes, torch::kFloat32);
+  const auto* panels = static_cast<const uint8_t*>(packed.data_ptr());
+  if (kind == torch::kUInt8)
+    compact_rows<gemv_blocks::Q4_1>(panels, blocks, id, n, out.data_ptr<float>());
+  else
+    compact_rows<gemv_blocks::Q8_0>(panels, blocks, id, n, out.data_ptr<float>());
+  return out;
+}
+
 // For the C++ decode loop (kernels/entry_points.h).
 std::vector<pybind11::capsule> entry_points() {
   using namespace tokenmill_entry;

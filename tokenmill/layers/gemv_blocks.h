@@ -29,6 +29,11 @@ inline bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(floa
 // Whether v is an fp16 number (a GGUF block's d and m are), kept then in two bytes.
 inline bool is_half(float v) { return same_bits(static_cast<float>(c10::Half(v)), v); }
 inline uint16_t half_bits(float v) { return c10::Half(v).x; }
+// The block's index-th fp16 scale (d of column c at c; Q4_1's m at kCols + c) as a float.
+inline float scale(const uint8_t* block, int64_t index) {
+  return static_cast<float>(
+      c10::Half(reinterpret_cast<const uint16_t*>(block)[index], c10::Half::from_bits()));
+}
 
 // The candidates for a block's step d, nearest to `base` first (base, +1 ulp, -1 ulp, ...):
 // the stored d rebuilt the extreme weight through one or two roundings, so it is a few ulps
@@ -112,6 +117,17 @@ struct Q4_1 {
 
   static inline const uint8_t* group(const uint8_t* block, int64_t kk) {
     return block + kScaleBytes + kk / kGroupSteps * kGroupBytes;
+  }
+
+  // One weight, column col of step i, rebuilt as the packer checked it: d * q, rounded, + m.
+  static float weight(const uint8_t* block, int64_t col, int64_t i) {
+    const uint8_t byte = kColumnWords
+        ? block[kScaleBytes + i / kGroupSteps * kGroupBytes + col * 4 + i % kGroupSteps / 2]
+        : block[kScaleBytes + i * kCols / 2 + col % 8];
+    const int shift = kColumnWords ? static_cast<int>(i % kGroupSteps % 2 * 4) : col < 8 ? 0 : 4;
+    float product = scale(block, col) * static_cast<float>((byte >> shift) & 15);
+    __asm__("" : "+x"(product));   // two roundings, never a fused multiply-add
+    return product + scale(block, kCols + col);
   }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -218,6 +234,12 @@ struct Q8_0 {
     reinterpret_cast<uint16_t*>(block)[col] = half_bits(scales[0]);
     for (int64_t i = 0; i < kSteps; ++i)
       reinterpret_cast<int8_t*>(block + kScaleBytes)[i * kCols + col] = static_cast<int8_t>(q[i]);
+  }
+
+  // One weight, column col of step i: d * q.
+  static float weight(const uint8_t* block, int64_t col, int64_t i) {
+    const int8_t level = reinterpret_cast<const int8_t*>(block + kScaleBytes)[i * kCols + col];
+    return scale(block, col) * static_cast<float>(level);
   }
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -15,6 +15,7 @@ from tokenmill.attention.metadata import ForwardContext
 from tokenmill.attention.registry import backend_class
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.embedding import Embedding
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding
@@ -86,7 +87,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, max_positions: int, attention_backend: str) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         backend = backend_class(attention_backend)(spec.num_heads, spec.num_kv_heads,
                                                    spec.head_dim, spec.head_dim ** -0.5)
@@ -132,6 +133,15 @@ class LlamaForCausalLM(nn.Module):
         (call after the linears are packed and the fused kernels enabled); returns whether."""
         self.model.decode_plan = DecodePlan.build(self.model.layers)
         return self.model.decode_plan is not None
+
+    def embed_from_lm_head(self) -> bool:
+        """With tied embeddings and the lm_head on compact panels, look tokens up in those
+        panels and drop the fp32 table (layers/embedding.py); returns whether."""
+        panels = self.lm_head.gemv_compact
+        if not self.spec.tie_word_embeddings or panels is None:
+            return False
+        self.model.embed_tokens.read_from_panels(panels)
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 logits."""

@@ -81,6 +81,7 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
     if linear in ("onednn", "hybrid", "amx"):
         prepack_linears(model, gemv=linear in ("hybrid", "amx"), compact=compact_panels,
                         amx=linear == "amx")
+        model.embed_from_lm_head()
     if resolve_elementwise_backend(elementwise_backend, device, dtype) == "cpu_fused":
         enable_fused_elementwise(model)
     model.build_decode_plan()

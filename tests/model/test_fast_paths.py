@@ -29,6 +29,7 @@ PROMPTS = [SYSTEM + q for q in ("When do you open on Sundays?", "Can I renew a l
     "The capital of France is", "def add(a, b):", "Once upon a time there was",
     "1, 2, 3, 5, 8, 13,", "Write a limerick about a cat who learned to code in Python."]
 PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+NO_CHUNKS = (torch.empty(0, 4, dtype=torch.long), torch.empty(0, dtype=torch.long))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,8 @@ def fast_path_active(llm) -> bool:
             and (not amx or layer.mlp.gate_up_proj.amx_weight.mins is not None)    # Q4_1
             and (not amx or (model.lm_head.amx_weight.steps is not None            # Q8_0
                              and model.lm_head.amx_weight.mins is None))
-            and (plan is None or plan.max_tokens == GEMV_MAX_ROWS)
+            # the loop takes steps of every size the small-M kernel or the tiles take
+            and (plan is None or (plan.takes(GEMV_MAX_ROWS) and plan.takes(2048) == amx))
             and all((m.packed_weight is not None) == (not amx) for m in (layer.mlp.gate_up_proj,
                                                                          model.lm_head))
             and layer.mlp.gate_up_proj.has_gemv_panels == gemv
@@ -104,14 +106,17 @@ def test_fast_path_one_at_a_time_equals_reference(llm, reference_tokens):
     assert single == reference_tokens
 
 
-@pytest.mark.parametrize("variant", ["no-bias", "qkv-bias", "tiles"])
+@pytest.mark.parametrize("variant", ["no-bias", "qkv-bias", "tiles", "chunked"])
 def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch, variant):
-    """Decode-only steps through the DecodePlan give exactly the logprobs of the modules it
-    flattens, at batch 1 and batched (no prefix cache: both runs compute the same shapes).
-    SmolLM2 has no q|k|v bias; with one set on every layer (as Qwen2 has), the plan must add
-    it as the module does. With AMX tiles from 3 rows, the batched steps run the linears on
-    them in both paths."""
-    llm = make_llm(prefix_cache=False)
+    """Steps through the DecodePlan (decode-only, prefills, and chunked prefills beside
+    decodes, over the request's earlier chunks) give exactly the logprobs and prompt logprobs
+    of the modules it flattens, at batch 1 and batched (no prefix cache: both runs compute the
+    same shapes). SmolLM2 has no q|k|v bias; with one set on every layer (as Qwen2 has), the
+    plan must add it as the module does. With AMX tiles from 3 rows, the batched steps run the
+    linears on them in both paths (prefills of more than GEMV_MAX_ROWS tokens do anyway where
+    the CPU has the tiles)."""
+    chunked = {"max_num_batched_tokens": 40, "max_prefill_chunk": 9}
+    llm = make_llm(prefix_cache=False, **(chunked if variant == "chunked" else {}))
     model = llm.engine.core.worker.runner.model.model
     if model.decode_plan is None:
         pytest.skip("the decode plan needs the C++ kernels")
@@ -129,18 +134,23 @@ def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch, variant):
                                       requires_grad=False)
             monkeypatch.setattr(qkv, "bias", bias)
         monkeypatch.setattr(model, "decode_plan", DecodePlan.build(model.layers))
-    runs = []
+    runs = []   # (decodes, prefill chunks) of each step the plan ran
     original_run = DecodePlan.run
-    monkeypatch.setattr(DecodePlan, "run",
-                        lambda self, *args: runs.append(1) or original_run(self, *args))
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    monkeypatch.setattr(DecodePlan, "run", lambda self, hidden, rope, ctx: runs.append(
+        (ctx.attn.num_decodes, len(ctx.attn.prefills))) or original_run(self, hidden, rope, ctx))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
 
     def generate():
         outputs = [llm.generate(PROMPTS[:1], params)[0], *llm.generate(PROMPTS[1:6], params)]
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs)
+                for o in outputs]
 
     with_plan = generate()
-    assert len(runs) >= 2 * 11    # every decode step of both calls
+    assert sum(chunks == 0 for _, chunks in runs) >= 2 * 11    # every decode step of both calls
+    assert sum(chunks > 0 for _, chunks in runs) >= 2          # and the prefills
+    if variant == "chunked":                                   # chunks beside decodes
+        assert any(decodes > 0 and chunks > 0 for decodes, chunks in runs)
     monkeypatch.setattr(model, "decode_plan", None)
     assert generate() == with_plan
     assert_kv_clean(llm)
@@ -181,8 +191,9 @@ def test_compact_panels_leave_tokens_unchanged_and_rebuilt_ones_every_bit(make_l
 
 
 def test_decode_loop_rejects_bad_steps_before_touching_the_cache(llm):
-    """The C++ loop checks its inputs up front: an out-of-range slot or a missing layer's
-    cache is a clear error, not a write outside the cache, and the cache is left as it was."""
+    """The C++ loop checks its inputs up front: an out-of-range slot, a missing layer's cache
+    or a prefill chunk past the step's rows or its block tables is a clear error, not a write
+    outside the cache, and the cache is left as it was."""
     model = llm.engine.core.worker.runner.model.model
     runner = llm.engine.core.worker.runner
     plan = model.decode_plan
@@ -199,13 +210,25 @@ def test_decode_loop_rejects_bad_steps_before_touching_the_cache(llm):
 
     def step(slot: int, caches: list):
         return plan.loop.decode_layers(hidden, plan.weights(1), caches, cos, sin,
-                                       torch.tensor([slot]), table, lens, plan.eps, plan.heads,
-                                       plan.kv_heads, plan.scale, -1, plan.entry_points)
+                                       torch.tensor([slot]), 1, table, lens, *NO_CHUNKS,
+                                       plan.eps, plan.heads, plan.kv_heads, plan.scale, -1,
+                                       plan.entry_points)
 
     with pytest.raises(RuntimeError, match="slot out of range"):
         step(num_slots, caches)
     with pytest.raises(RuntimeError, match="2 caches per layer"):
         step(0, caches[:-2])
+
+    def prefill(chunk: list[int], block: int):
+        return plan.loop.decode_layers(hidden, plan.weights(1), caches, cos, sin,
+                                       torch.tensor([0]), 0, table[:0], lens[:0],
+                                       torch.tensor([chunk]), torch.tensor([block]), plan.eps,
+                                       plan.heads, plan.kv_heads, plan.scale, -1,
+                                       plan.entry_points)
+
+    for chunk, block in (([0, 2, 2, 0], 0), ([0, 1, 1, 1], 0), ([0, 1, 1, 0], k_cache.shape[0])):
+        with pytest.raises(RuntimeError, match="chunk 0 out of range|block id"):
+            prefill(chunk, block)
     assert all(torch.equal(a, b) for a, b in zip(before, caches[:2]))
     assert_kv_clean(llm)
 
@@ -226,6 +249,6 @@ def test_decode_loop_lets_other_threads_run(llm):
     table = torch.zeros(rows, 1, dtype=torch.int64)
     lens, slots = torch.ones(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
     duration, stall = longest_stall_beside(lambda: plan.loop.decode_layers(
-        hidden, plan.weights(rows), caches, cos, sin, slots, table, lens, plan.eps, plan.heads,
-        plan.kv_heads, plan.scale, -1, plan.entry_points))
+        hidden, plan.weights(rows), caches, cos, sin, slots, rows, table, lens, *NO_CHUNKS,
+        plan.eps, plan.heads, plan.kv_heads, plan.scale, -1, plan.entry_points))
     assert stall < duration / 4, (stall, duration)

@@ -92,7 +92,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         """All of the step's chunks in one kernel call (items across requests, one fork), each
         causal over its context read in place (no gathered copy, no mask tensor)."""
         if self._kernel_takes(query, k_cache, meta.sliding_window) and not any(
-                self._sdpa_takes(span) for span in meta.prefills):
+                self.sdpa_takes(span) for span in meta.prefills):
             spans, tables = meta.packed_prefills
             if self.kernel.paged_prefill_attention(out, query, k_cache, v_cache, spans, tables,
                                                    self.scale):
@@ -101,7 +101,7 @@ class CpuPagedBackend(TorchReferenceBackend):
 
     def _prefill(self, query, key, value, k_cache, v_cache, span, window) -> torch.Tensor:
         """query: [query_len, heads, head_dim] of one chunk -> same shape."""
-        if self._kernel_takes(query, k_cache, window) and not self._sdpa_takes(span):
+        if self._kernel_takes(query, k_cache, window) and not self.sdpa_takes(span):
             out = torch.empty_like(query)
             spans = torch.tensor([[0, span.query_len, span.seq_len, 0]])
             if self.kernel.paged_prefill_attention(out, query, k_cache, v_cache, spans,
@@ -114,6 +114,6 @@ class CpuPagedBackend(TorchReferenceBackend):
         return (self.kernel is not None and window is None and query.dtype == torch.float32
                 and k_cache.dtype == torch.float32 and query.device.type == "cpu")
 
-    def _sdpa_takes(self, span) -> bool:
+    def sdpa_takes(self, span) -> bool:
         """A long chunk with nothing cached before it, where SDPA is the faster path."""
         return self.sdpa_from is not None and span.seq_len == span.query_len >= self.sdpa_from

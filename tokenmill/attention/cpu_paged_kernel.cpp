@@ -704,5 +704,7 @@ void write_kv_slots(torch::Tensor key, torch::Tensor value, torch::Tensor k_cach
 std::vector<pybind11::capsule> entry_points() {
   using namespace tokenmill_entry;
   return {export_entry<PagedDecodeAttentionFn>(&paged_decode_attention,
-                                               "tokenmill.paged_decode_attention")};
+                                               "tokenmill.paged_decode_attention"),
+          export_entry<PagedPrefillAttentionFn>(&paged_prefill_attention,
+                                                "tokenmill.paged_prefill_attention")};
 }

@@ -26,6 +26,11 @@ using AmxLinearFactoredIntoFn = void(const float* x, int64_t m, int64_t k,
 using PagedDecodeAttentionFn = void(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
                                     torch::Tensor v_cache, torch::Tensor block_table,
                                     torch::Tensor seq_lens, double scale, int64_t sliding_window);
+// Every prefill chunk's causal attention (chunks: [num, 4] rows of query_start, query_len,
+// seq_len, offset in tables); false where the kernel does not take these shapes.
+using PagedPrefillAttentionFn = bool(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor chunks,
+                                     torch::Tensor tables, double scale);
 
 // The template argument names the type the caller will cast back to, so a kernel whose
 // signature drifts from its declaration above fails to compile.

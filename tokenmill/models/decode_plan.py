@@ -1,5 +1,5 @@
-"""DecodePlan: the decoder layers of a Llama-family model for a decode-only step, as one flat
-loop over the CPU kernels, run in C++ (decode_plan_kernel.cpp).
+"""DecodePlan: the decoder layers of a Llama-family model for a step, as one flat loop over the
+CPU kernels, run in C++ (decode_plan_kernel.cpp).
 
 At batch 1 the module path spent about 3 ms of a 27 ms token in Python: ten nn.Module calls
 per layer, the attention backend's general bookkeeping (prefill spans, a copy into a shared
@@ -8,9 +8,17 @@ dispatches a token. The plan keeps each layer's kernel-ready weights and calls t
 kernels, in the same order, on the same tensors, so its output is bitwise that of the module
 path (test_decode_plan_is_bitwise_the_module_path in tests/model/test_fast_paths.py).
 Each linear runs as the module would for the step's size: the small-M kernel's panels, or
-GGUF Q4_1 (Q8_0) weights on the AMX tiles from their min_rows (layers/cpu_amx.py). Steps with a
-prefill chunk, or more tokens than the small-M kernel takes (or than other AMX tiles, hi + lo,
-take faster), go through the modules, and so does every step when a kernel cannot be built.
+GGUF Q4_1 (Q8_0) weights on the AMX tiles from their min_rows (layers/cpu_amx.py).
+
+Steps with prefill chunks run in the loop too (the chunks' attention in one call of the
+paged prefill kernel, after the decodes'): py-spy put ~15% of a 300-token prefill step
+through the modules outside the kernels (module calls, views, q/k/v splits, fresh outputs).
+In one process, the two ways alternating per request, prefills of 16 / 64 / 300 / 1024 /
+2000 tokens took 20.7 / 47.4 / 179.5 / 719 / 1896 ms through the modules and 13.7 / 36.8 /
+153.4 / 686 / 1728 in the loop; 300 tokens beside 15 decodes 191.8 -> 165.5 ms. Steps
+whose linears the module would run on oneDNN or on hi + lo tiles (no kernel here), chunks
+with a sliding window or that SDPA takes (cpu_paged.py), and every step when a kernel cannot
+be built, go through the modules.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ LOOP = CpuExtension("tokenmill_decode_plan", Path(__file__).with_name("decode_pl
 
 
 _NONE = torch.empty(0)
+_NO_CHUNKS = torch.empty(0, 4, dtype=torch.long)
+_NO_TABLES = torch.empty(0, dtype=torch.long)
 
 
 def _on_tiles(linear: Linear, num_tokens: int) -> bool:
@@ -44,6 +54,15 @@ def _on_tiles(linear: Linear, num_tokens: int) -> bool:
     (Linear.forward)."""
     tiles = linear.amx_weight
     return tiles is not None and tiles.steps is not None and num_tokens >= tiles.min_rows
+
+
+def _in_loop(linear: Linear, num_tokens: int) -> bool:
+    """Whether the loop has the kernel the module runs for a step this long
+    (Linear.forward): the small-M kernel's panels or factored tiles."""
+    tiles = linear.amx_weight
+    return (_on_tiles(linear, num_tokens)
+            or (linear.has_gemv_panels and num_tokens <= GEMV_MAX_ROWS
+                and (tiles is None or num_tokens < tiles.min_rows)))
 
 
 def _linear_weights(linear: Linear, num_tokens: int) -> list[torch.Tensor]:
@@ -76,20 +95,23 @@ class _Layer(NamedTuple):
 
 class DecodePlan:
     def __init__(self, layers: list[_Layer], eps: float, heads: int, kv_heads: int,
-                 scale: float, loop: ModuleType, kernel_entry_points: list[object]) -> None:
+                 scale: float, backend: CpuPagedBackend, loop: ModuleType,
+                 kernel_entry_points: list[object]) -> None:
         self.layers = layers
         self.num_layers = len(layers)
-        hi_lo = [m.amx_weight.min_rows for layer in layers for m in layer.linears
-                 if m.amx_weight is not None and m.amx_weight.steps is None]
-        # GEMV_MAX_ROWS, or fewer where hi + lo tiles (which the loop has no kernel for) take
-        # shorter steps faster
-        self.max_tokens = min([GEMV_MAX_ROWS, *(rows - 1 for rows in hi_lo)])
-        # decode_layers takes one flat list, 15 per layer; the linears' weights depend on the
-        # step's size (compact panels for the fewest tokens, tiles for the most), so one list
-        # per size, made once
+        # From this size on every linear takes a step as it takes any longer one (the panels'
+        # limit and the tiles' min_rows lie below), so longer steps share its entries.
+        min_rows = [m.amx_weight.min_rows for layer in layers for m in layer.linears
+                    if m.amx_weight is not None]
+        self._uniform_from = max([GEMV_MAX_ROWS, *min_rows]) + 1
+        # by step size (up to _uniform_from): whether the loop takes it, and decode_layers'
+        # one flat list of weights, 15 per layer (compact panels for the fewest tokens, tiles
+        # for the most), made once
+        self._takes_size: dict[int, bool] = {}
         self._weights_by_size: dict[int, list[torch.Tensor]] = {}
+        self._prefill_kernel_takes: dict[tuple[int, ...], bool] = {}   # by cache shape
         self.eps, self.heads, self.kv_heads, self.scale = eps, heads, kv_heads, scale
-        self.loop, self.entry_points = loop, kernel_entry_points
+        self.backend, self.loop, self.entry_points = backend, loop, kernel_entry_points
 
     @classmethod
     def build(cls, layers: nn.ModuleList) -> DecodePlan | None:
@@ -118,24 +140,51 @@ class DecodePlan:
         if any(_on_tiles(m, GEMV_MAX_ROWS) for layer in plan_layers for m in layer.linears):
             kernels.append(cpu_amx.load_kernel())   # it packed them, so it loads
         return cls(plan_layers, first.input_layernorm.eps, attn.num_heads, attn.num_kv_heads,
-                   attn.backend.scale, loop, [e for k in kernels for e in k.entry_points()])
+                   attn.backend.scale, attn.backend, loop,
+                   [e for k in kernels for e in k.entry_points()])
+
+    def takes(self, num_tokens: int) -> bool:
+        """Whether every linear of a step this long runs on a kernel the loop has."""
+        size = min(num_tokens, self._uniform_from)
+        takes = self._takes_size.get(size)
+        if takes is None:
+            takes = all(_in_loop(m, size) for layer in self.layers for m in layer.linears)
+            self._takes_size[size] = takes
+        return takes
 
     def weights(self, num_tokens: int) -> list[torch.Tensor]:
-        if num_tokens > GEMV_MAX_ROWS:   # the linears may have no panels for such a step
-            raise ValueError(f"decode plan: {num_tokens} tokens, more than the "
-                             f"{GEMV_MAX_ROWS} its kernels take")
-        weights = self._weights_by_size.get(num_tokens)
+        if not self.takes(num_tokens):
+            raise ValueError(f"decode plan: no kernel here for some linear of a "
+                             f"{num_tokens}-token step")
+        size = min(num_tokens, self._uniform_from)
+        weights = self._weights_by_size.get(size)
         if weights is None:
-            weights = [t for layer in self.layers for t in layer.weights(num_tokens)]
-            self._weights_by_size[num_tokens] = weights
+            weights = [t for layer in self.layers for t in layer.weights(size)]
+            self._weights_by_size[size] = weights
         return weights
 
     def accepts(self, num_tokens: int, rope: RopeTables, ctx: ForwardContext) -> bool:
-        """A decode-only step the kernels take: at most max_tokens, fp32 caches and the
-        rotary kernel in the step's tables."""
+        """A step the kernels take: linears for its size, fp32 caches, the rotary kernel in
+        the step's tables, and prefill chunks (if any) for the paged prefill kernel."""
         meta = ctx.attn
-        return (not meta.prefills and meta.num_decodes == num_tokens <= self.max_tokens
-                and rope.kernel is not None and ctx.kv_caches[0][0].dtype == torch.float32)
+        if (rope.kernel is None or ctx.kv_caches[0][0].dtype != torch.float32
+                or not self.takes(num_tokens)):
+            return False
+        return not meta.prefills or (
+            meta.sliding_window is None and self._prefill_kernel_fits(ctx.kv_caches[0])
+            and not any(self.backend.sdpa_takes(span) for span in meta.prefills))
+
+    def _prefill_kernel_fits(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Whether the prefill kernel takes chunks over caches of this shape (it tells by its
+        answer for none)."""
+        shape = tuple(kv_cache[0].shape)
+        fits = self._prefill_kernel_takes.get(shape)
+        if fits is None:
+            query = torch.empty(0, self.heads, shape[-1])
+            fits = bool(self.backend.kernel.paged_prefill_attention(
+                query, query, *kv_cache, _NO_CHUNKS, _NO_TABLES, self.scale))
+            self._prefill_kernel_takes[shape] = fits
+        return fits
 
 
     def run(self, hidden: torch.Tensor, rope: RopeTables, ctx: ForwardContext
@@ -147,8 +196,10 @@ class DecodePlan:
         dim = rope.cos.shape[-1]
         window = -1 if meta.sliding_window is None else meta.sliding_window
         caches = [c for kv in ctx.kv_caches[:self.num_layers] for c in kv]
+        chunks, tables = meta.packed_prefills if meta.prefills else (_NO_CHUNKS, _NO_TABLES)
         hidden, residual = self.loop.decode_layers(
             hidden, self.weights(n), caches, rope.cos.view(n, dim), rope.sin.view(n, dim),
-            meta.slot_mapping, meta.decode_block_table, meta.decode_seq_lens, self.eps,
-            self.heads, self.kv_heads, self.scale, window, self.entry_points)
+            meta.slot_mapping, meta.num_decodes, meta.decode_block_table, meta.decode_seq_lens,
+            chunks, tables, self.eps, self.heads, self.kv_heads, self.scale, window,
+            self.entry_points)
         return hidden, residual

@@ -1,6 +1,6 @@
-// The decode plan's layer loop in C++ (models/decode_plan.py): for a decode-only step, every
-// decoder layer as the same kernel calls, in the same order, on the same tensors as the layer
-// modules, so the output is bitwise theirs.
+// The decode plan's layer loop in C++ (models/decode_plan.py): for a step of decodes and
+// prefill chunks, every decoder layer as the same kernel calls, in the same order, on the same
+// tensors as the layer modules, so the output is bitwise theirs.
 //
 // From Python the loop cost about 20 dispatches per layer (the kernels, slices and views, the
 // cache write, an allocation), some 600 per token at 30 layers. Here they are plain calls:
@@ -26,6 +26,7 @@ struct Kernels {
   tokenmill_entry::GemvIntoFn* gemv;
   tokenmill_entry::GemvOutFeaturesFn* gemv_out_features;
   tokenmill_entry::PagedDecodeAttentionFn* attention;
+  tokenmill_entry::PagedPrefillAttentionFn* prefill_attention;
   tokenmill_entry::AmxLinearFactoredIntoFn* amx_linear_factored;   // null without AMX tiles
 
   // y [n, out] = x [n, k] @ the linear's weight (w: its three tensors).
@@ -48,6 +49,7 @@ Kernels import_kernels(const std::vector<pybind11::capsule>& capsules) {
           import_entry<GemvIntoFn>(capsules, "tokenmill.gemv_into"),
           import_entry<GemvOutFeaturesFn>(capsules, "tokenmill.gemv_out_features"),
           import_entry<PagedDecodeAttentionFn>(capsules, "tokenmill.paged_decode_attention"),
+          import_entry<PagedPrefillAttentionFn>(capsules, "tokenmill.paged_prefill_attention"),
           import_entry<AmxLinearFactoredIntoFn>(capsules, "tokenmill.amx_linear_factored_into",
                                             /*required=*/false)};
 }
@@ -105,21 +107,50 @@ void check_step(const std::vector<torch::Tensor>& weights, const std::vector<tor
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "decode_layers: slot out of range");
 }
 
+// The prefill chunks ([num, 4]: query_start, query_len, seq_len, offset in tables) cover the
+// rows after the decodes and read blocks of the caches: checked before the first layer writes
+// the cache, as the attention kernel checks them in each layer.
+void check_chunks(const torch::Tensor& chunks, const torch::Tensor& tables, int64_t num_decodes,
+                  int64_t tokens, const torch::Tensor& cache) {
+  TORCH_CHECK(chunks.scalar_type() == torch::kInt64 && chunks.dim() == 2 &&
+              chunks.size(1) == 4 && chunks.is_contiguous() &&
+              tables.scalar_type() == torch::kInt64 && tables.dim() == 1 &&
+              tables.is_contiguous(), "decode_layers: int64 chunks [num, 4] and tables [blocks]");
+  TORCH_CHECK(num_decodes >= 0 && num_decodes <= tokens, "decode_layers: num_decodes");
+  const int64_t *row = chunks.data_ptr<int64_t>(), *table = tables.data_ptr<int64_t>();
+  const int64_t block_size = cache.size(1);
+  for (int64_t c = 0; c < chunks.size(0); ++c, row += 4) {
+    const int64_t start = row[0], len = row[1], seq_len = row[2], offset = row[3];
+    const int64_t blocks = (seq_len + block_size - 1) / block_size;
+    TORCH_CHECK(start >= num_decodes && len >= 0 && start + len <= tokens && len <= seq_len &&
+                offset >= 0 && offset + blocks <= tables.size(0),
+                "decode_layers: chunk ", c, " out of range of the step or its tables");
+    for (int64_t b = offset; b < offset + blocks; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < cache.size(0), "decode_layers: block id");
+  }
+}
+
 }  // namespace
 
 // hidden [tokens, hidden] embeddings -> (last layer's output, residual), as the layer modules
-// leave them. cos/sin [tokens, head_dim]; block_table, seq_lens as paged_decode_attention's.
+// leave them. cos/sin [tokens, head_dim]. The first num_decodes tokens are decodes
+// (block_table, seq_lens as paged_decode_attention's), the rest prefill chunks (chunks,
+// tables as paged_prefill_attention's).
 std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
                                          std::vector<torch::Tensor> caches, torch::Tensor cos,
                                          torch::Tensor sin, torch::Tensor slot_mapping,
-                                         torch::Tensor block_table, torch::Tensor seq_lens,
-                                         double eps, int64_t heads, int64_t kv_heads,
-                                         double scale, int64_t sliding_window,
+                                         int64_t num_decodes, torch::Tensor block_table,
+                                         torch::Tensor seq_lens, torch::Tensor chunks,
+                                         torch::Tensor tables, double eps, int64_t heads,
+                                         int64_t kv_heads, double scale, int64_t sliding_window,
                                          std::vector<pybind11::capsule> kernel_capsules) {
   const Kernels k = import_kernels(kernel_capsules);
   const int64_t n = hidden.size(0), h = hidden.size(1), dim = cos.size(1);
   const int64_t qk_width = (heads + kv_heads) * dim, qkv_width = qk_width + kv_heads * dim;
   check_step(weights, caches, hidden, slot_mapping, kv_heads, dim);
+  check_chunks(chunks, tables, num_decodes, n, caches[0]);
+  TORCH_CHECK(chunks.size(0) == 0 || sliding_window < 0,
+              "decode_layers: prefill chunks take no sliding window");
   TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
               sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.size(0) == n &&
               dim % 2 == 0, "decode_layers: float32 hidden, contiguous cos/sin [tokens, "
@@ -160,8 +191,14 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
     k.rotate_half(ws.qkv_p + heads * dim, n, kv_heads, dim, qkv_width, cos_p, sin_p, ws.k_p);
     write_slots(ws.k_p, kv_heads * dim, slots, n, caches[2 * layer]);
     write_slots(ws.qkv_p + qk_width, qkv_width, slots, n, caches[2 * layer + 1]);
-    k.attention(ws.attention, ws.q, caches[2 * layer], caches[2 * layer + 1], block_table,
-                seq_lens, scale, sliding_window);
+    if (num_decodes > 0)
+      k.attention(ws.attention.narrow(0, 0, num_decodes), ws.q.narrow(0, 0, num_decodes),
+                  caches[2 * layer], caches[2 * layer + 1], block_table, seq_lens, scale,
+                  sliding_window);
+    if (chunks.size(0) > 0)   // the plan takes such steps only where the kernel does
+      TORCH_CHECK(k.prefill_attention(ws.attention, ws.q, caches[2 * layer],
+                                      caches[2 * layer + 1], chunks, tables, scale),
+                  "decode_layers: the prefill kernel does not take these shapes");
     k.linear(ws.attention_p, n, heads * dim, w + kO, ws.o_p);
     k.add_rms_norm(ws.o_p, ws.residual_p, w[1].data_ptr<float>(), eps_f, n, h, ws.normed_p,
                    ws.residual_p);

@@ -129,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def build_decode_plan(self) -> bool:
-        """Run decode-only steps through a DecodePlan when every layer is on the CPU kernels
+        """Run the steps it takes through a DecodePlan when every layer is on the CPU kernels
         (call after the linears are packed and the fused kernels enabled); returns whether."""
         self.model.decode_plan = DecodePlan.build(self.model.layers)
         return self.model.decode_plan is not None

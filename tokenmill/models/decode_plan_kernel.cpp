@@ -171,6 +171,11 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   Workspace ws(hidden, qkv_width, heads, kv_heads, dim, gate_up_width);
   const float *cos_p = cos.data_ptr<float>(), *sin_p = sin.data_ptr<float>();
+  // the decodes' rows, as views made once (a view a layer cost ~1 us)
+  const bool all_decodes = num_decodes == n;
+  const torch::Tensor decode_out =
+      all_decodes ? ws.attention : ws.attention.narrow(0, 0, num_decodes);
+  const torch::Tensor decode_q = all_decodes ? ws.q : ws.q.narrow(0, 0, num_decodes);
   const float eps_f = static_cast<float>(eps);
   // The capsules are read: the layers need no Python, so the server's event loop runs beside
   // them. Declared after the arguments, so the GIL is back before the capsules are released.
@@ -192,9 +197,8 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
     write_slots(ws.k_p, kv_heads * dim, slots, n, caches[2 * layer]);
     write_slots(ws.qkv_p + qk_width, qkv_width, slots, n, caches[2 * layer + 1]);
     if (num_decodes > 0)
-      k.attention(ws.attention.narrow(0, 0, num_decodes), ws.q.narrow(0, 0, num_decodes),
-                  caches[2 * layer], caches[2 * layer + 1], block_table, seq_lens, scale,
-                  sliding_window);
+      k.attention(decode_out, decode_q, caches[2 * layer], caches[2 * layer + 1], block_table,
+                  seq_lens, scale, sliding_window);
     if (chunks.size(0) > 0)   // the plan takes such steps only where the kernel does
       TORCH_CHECK(k.prefill_attention(ws.attention, ws.q, caches[2 * layer],
                                       caches[2 * layer + 1], chunks, tables, scale),

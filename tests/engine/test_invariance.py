@@ -38,7 +38,7 @@ def test_batch_of_16_equals_one_at_a_time(llm, prompts, one_at_a_time):
 
 
 def test_batch_of_32_equals_one_at_a_time(llm, prompts, one_at_a_time):
-    """32 decoding at once: where the CPU has AMX tiles, the decode plan runs the linears on
+    """32 decoding at once: where the CPU has AMX tiles, the layer plan runs the linears on
     their bf16 levels (more than 16 rows; layers/cpu_amx.py), and the lm_head too."""
     assert token_ids(llm.generate(prompts + prompts, GREEDY)) == one_at_a_time * 2
     assert_kv_clean(llm)

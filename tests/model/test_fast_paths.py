@@ -1,5 +1,5 @@
 """The optimized CPU paths (oneDNN packed linears, the AMX tile linears where the CPU has
-them, the paged C++ decode kernel, fused norm, rotary and SiLU·mul, the decode plan) give the
+them, the paged C++ decode kernel, fused norm, rotary and SiLU·mul, the layer plan) give the
 same greedy tokens as the pure reference path, across batch sizes, chunked prefill and
 prefix-cache hits. HF parity of the default (fast) path is in test_hf_parity.py."""
 
@@ -20,7 +20,7 @@ from tokenmill.layers.cpu_fused import load_kernel as load_fused_kernel
 from tokenmill.layers.cpu_gemv import GEMV_COMPACT_MAX_ROWS, GEMV_MAX_ROWS
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill import SamplingParams
-from tokenmill.models.decode_plan import DecodePlan
+from tokenmill.models.layer_plan import LayerPlan
 
 SYSTEM = ("You are the help desk of a city library. Answer questions about opening hours, "
           "loans, renewals and the reading rooms briefly and politely. ") * 3
@@ -51,10 +51,10 @@ def fast_path_active(llm) -> bool:
     gemv = load_gemv_kernel() is not None
     fused = load_fused_kernel() is not None
     # the layers' Q4_1 weights and the Q8_0 lm_head go on the AMX tiles (in the factored form)
-    # instead of oneDNN's layout where the CPU has them (the decode plan too takes the layers'
+    # instead of oneDNN's layout where the CPU has them (the layer plan too takes the layers'
     # from AMX_Q4_1_MIN_ROWS rows)
     amx = gemv and load_amx_kernel() is not None
-    plan = model.model.decode_plan
+    plan = model.model.layer_plan
     return (layer.self_attn.backend.name == kernel
             and all((m.amx_weight is not None) == amx for m in (layer.mlp.gate_up_proj,
                                                               model.lm_head))
@@ -80,7 +80,7 @@ def fast_path_active(llm) -> bool:
             and (layer.input_layernorm.kernel is not None) == fused
             and (layer.mlp.act.kernel is not None) == fused
             and (model.model.rotary.kernel is not None) == fused
-            and (model.model.decode_plan is not None) == (gemv and fused
+            and (model.model.layer_plan is not None) == (gemv and fused
                                                           and kernel == "cpu_paged"))
 
 
@@ -107,8 +107,8 @@ def test_fast_path_one_at_a_time_equals_reference(llm, reference_tokens):
 
 
 @pytest.mark.parametrize("variant", ["no-bias", "qkv-bias", "tiles", "chunked"])
-def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch, variant):
-    """Steps through the DecodePlan (decode-only, prefills, and chunked prefills beside
+def test_layer_plan_is_bitwise_the_module_path(make_llm, monkeypatch, variant):
+    """Steps through the LayerPlan (decode-only, prefills, and chunked prefills beside
     decodes, over the request's earlier chunks) give exactly the logprobs and prompt logprobs
     of the modules it flattens, at batch 1 and batched (no prefix cache: both runs compute the
     same shapes). SmolLM2 has no q|k|v bias; with one set on every layer (as Qwen2 has), the
@@ -118,14 +118,14 @@ def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch, variant):
     chunked = {"max_num_batched_tokens": 40, "max_prefill_chunk": 9}
     llm = make_llm(prefix_cache=False, **(chunked if variant == "chunked" else {}))
     model = llm.engine.core.worker.runner.model.model
-    if model.decode_plan is None:
-        pytest.skip("the decode plan needs the C++ kernels")
+    if model.layer_plan is None:
+        pytest.skip("the layer plan needs the C++ kernels")
     if variant == "tiles":
         if load_amx_kernel() is None:
             pytest.skip("no AMX tiles on this CPU")
         monkeypatch.setattr(cpu_amx, "AMX_Q4_1_MIN_ROWS", 3)
-        monkeypatch.setattr(model, "decode_plan", DecodePlan.build(model.layers))
-        assert model.decode_plan.weights(5)[3].dtype == torch.uint8   # q|k|v's 4-bit levels
+        monkeypatch.setattr(model, "layer_plan", LayerPlan.build(model.layers))
+        assert model.layer_plan.weights(5)[3].dtype == torch.uint8   # q|k|v's 4-bit levels
     if variant == "qkv-bias":
         gen = torch.Generator().manual_seed(0)
         for layer in model.layers:
@@ -133,10 +133,10 @@ def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch, variant):
             bias = torch.nn.Parameter(torch.randn(qkv.out_features, generator=gen) * 0.05,
                                       requires_grad=False)
             monkeypatch.setattr(qkv, "bias", bias)
-        monkeypatch.setattr(model, "decode_plan", DecodePlan.build(model.layers))
+        monkeypatch.setattr(model, "layer_plan", LayerPlan.build(model.layers))
     runs = []   # (decodes, prefill chunks) of each step the plan ran
-    original_run = DecodePlan.run
-    monkeypatch.setattr(DecodePlan, "run", lambda self, hidden, rope, ctx: runs.append(
+    original_run = LayerPlan.run
+    monkeypatch.setattr(LayerPlan, "run", lambda self, hidden, rope, ctx: runs.append(
         (ctx.attn.num_decodes, len(ctx.attn.prefills))) or original_run(self, hidden, rope, ctx))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3,
                             prompt_logprobs=2)
@@ -151,7 +151,7 @@ def test_decode_plan_is_bitwise_the_module_path(make_llm, monkeypatch, variant):
     assert sum(chunks > 0 for _, chunks in runs) >= 2          # and the prefills
     if variant == "chunked":                                   # chunks beside decodes
         assert any(decodes > 0 and chunks > 0 for decodes, chunks in runs)
-    monkeypatch.setattr(model, "decode_plan", None)
+    monkeypatch.setattr(model, "layer_plan", None)
     assert generate() == with_plan
     assert_kv_clean(llm)
 
@@ -190,15 +190,15 @@ def test_compact_panels_leave_tokens_unchanged_and_rebuilt_ones_every_bit(make_l
                 assert abs(entry.logprob - want_step[token].logprob) < 1e-3
 
 
-def test_decode_loop_rejects_bad_steps_before_touching_the_cache(llm):
+def test_layer_loop_rejects_bad_steps_before_touching_the_cache(llm):
     """The C++ loop checks its inputs up front: an out-of-range slot, a missing layer's cache
     or a prefill chunk past the step's rows or its block tables is a clear error, not a write
     outside the cache, and the cache is left as it was."""
     model = llm.engine.core.worker.runner.model.model
     runner = llm.engine.core.worker.runner
-    plan = model.decode_plan
+    plan = model.layer_plan
     if plan is None:
-        pytest.skip("the decode plan needs the C++ kernels")
+        pytest.skip("the layer plan needs the C++ kernels")
     k_cache = runner.kv_caches[0][0]
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     caches = [c for kv in runner.kv_caches for c in kv]
@@ -209,10 +209,9 @@ def test_decode_loop_rejects_bad_steps_before_touching_the_cache(llm):
     table, lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
 
     def step(slot: int, caches: list):
-        return plan.loop.decode_layers(hidden, plan.weights(1), caches, cos, sin,
-                                       torch.tensor([slot]), 1, table, lens, *NO_CHUNKS,
-                                       plan.eps, plan.heads, plan.kv_heads, plan.scale, -1,
-                                       plan.entry_points)
+        return plan.loop.run_layers(hidden, plan.weights(1), caches, cos, sin,
+                                    torch.tensor([slot]), 1, table, lens, *NO_CHUNKS, plan.eps,
+                                    plan.heads, plan.kv_heads, plan.scale, -1, plan.entry_points)
 
     with pytest.raises(RuntimeError, match="slot out of range"):
         step(num_slots, caches)
@@ -220,11 +219,10 @@ def test_decode_loop_rejects_bad_steps_before_touching_the_cache(llm):
         step(0, caches[:-2])
 
     def prefill(chunk: list[int], block: int):
-        return plan.loop.decode_layers(hidden, plan.weights(1), caches, cos, sin,
-                                       torch.tensor([0]), 0, table[:0], lens[:0],
-                                       torch.tensor([chunk]), torch.tensor([block]), plan.eps,
-                                       plan.heads, plan.kv_heads, plan.scale, -1,
-                                       plan.entry_points)
+        return plan.loop.run_layers(hidden, plan.weights(1), caches, cos, sin,
+                                    torch.tensor([0]), 0, table[:0], lens[:0],
+                                    torch.tensor([chunk]), torch.tensor([block]), plan.eps,
+                                    plan.heads, plan.kv_heads, plan.scale, -1, plan.entry_points)
 
     for chunk, block in (([0, 2, 2, 0], 0), ([0, 1, 1, 1], 0), ([0, 1, 1, 0], k_cache.shape[0])):
         with pytest.raises(RuntimeError, match="chunk 0 out of range|block id"):
@@ -233,14 +231,14 @@ def test_decode_loop_rejects_bad_steps_before_touching_the_cache(llm):
     assert_kv_clean(llm)
 
 
-def test_decode_loop_lets_other_threads_run(llm):
+def test_layer_loop_lets_other_threads_run(llm):
     """A whole decode step is one C++ call: it must let the server's event loop run, or a
     token waits for the next step before it is streamed. Own small caches: the engine's are
     left alone."""
     model = llm.engine.core.worker.runner.model.model
-    plan = model.decode_plan
+    plan = model.layer_plan
     if plan is None:
-        pytest.skip("the decode plan needs the C++ kernels")
+        pytest.skip("the layer plan needs the C++ kernels")
     k_cache = llm.engine.core.worker.runner.kv_caches[0][0]
     caches = [torch.zeros(2, *k_cache.shape[1:]) for _ in range(2 * plan.num_layers)]
     rows, dim = GEMV_MAX_ROWS, k_cache.shape[3]   # the longest step the plan takes
@@ -248,7 +246,7 @@ def test_decode_loop_lets_other_threads_run(llm):
     cos, sin = torch.ones(rows, dim), torch.zeros(rows, dim)
     table = torch.zeros(rows, 1, dtype=torch.int64)
     lens, slots = torch.ones(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
-    duration, stall = longest_stall_beside(lambda: plan.loop.decode_layers(
+    duration, stall = longest_stall_beside(lambda: plan.loop.run_layers(
         hidden, plan.weights(rows), caches, cos, sin, slots, rows, table, lens, *NO_CHUNKS,
         plan.eps, plan.heads, plan.kv_heads, plan.scale, -1, plan.entry_points))
     assert stall < duration / 4, (stall, duration)

@@ -59,11 +59,11 @@ def test_tiny_model_matches_transformers(variant, tmp_path, default_model):
         assert got.token_ids == tokens
         got_logprobs = [entry[t].logprob for entry, t in zip(got.logprobs, got.token_ids)]
         assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs)) < 1e-3
-    # with the C++ kernels, the decode steps above ran through the DecodePlan, so q/k/v bias,
+    # with the C++ kernels, the decode steps above ran through the LayerPlan, so q/k/v bias,
     # the sliding window and RoPE scaling are checked on it too
     kernels = all(k.load() is not None for k in (cpu_paged.KERNEL, cpu_fused.KERNEL,
                                                   cpu_gemv.KERNEL))
-    assert (llm.engine.core.worker.runner.model.model.decode_plan is not None) == kernels
+    assert (llm.engine.core.worker.runner.model.model.layer_plan is not None) == kernels
     assert_kv_clean(llm)
 
 
@@ -90,15 +90,15 @@ def round_to_q8_0(model: torch.nn.Module) -> None:
             blocks.copy_(levels * step)
 
 
-def test_q8_0_weights_on_the_tiles_in_the_decode_loop_match_transformers(tmp_path,
+def test_q8_0_weights_on_the_tiles_in_the_layer_loop_match_transformers(tmp_path,
                                                                          default_model,
                                                                          monkeypatch):
     """A model whose linears are Q8_0 values takes them on the AMX tiles in the factored
     form with no minimums (from 3 rows here, so the batch's decode steps run them in the C++
-    decode loop): greedy tokens equal to transformers', logprobs close, and the decode loop
+    layer loop): greedy tokens equal to transformers', logprobs close, and the layer loop
     bitwise the modules it flattens."""
     from tokenmill.layers import cpu_amx
-    from tokenmill.models.decode_plan import DecodePlan
+    from tokenmill.models.layer_plan import LayerPlan
     if cpu_amx.load_kernel() is None:
         pytest.skip("no AMX tiles on this CPU (or no C++ compiler)")
     monkeypatch.setattr(cpu_amx, "AMX_Q8_0_MIN_ROWS", 3)
@@ -109,12 +109,12 @@ def test_q8_0_weights_on_the_tiles_in_the_decode_loop_match_transformers(tmp_pat
     model = llm.engine.core.worker.runner.model.model
     down = model.layers[0].mlp.down_proj.amx_weight
     assert down is not None and down.steps is not None and down.mins is None   # Q8_0 records
-    assert model.decode_plan.weights(5)[3].dtype == torch.int8   # q|k|v's byte records
+    assert model.layer_plan.weights(5)[3].dtype == torch.int8   # q|k|v's byte records
     prompts = [list(range(100 + 7 * i, 110 + 7 * i)) for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     runs = []
-    original_run = DecodePlan.run
-    monkeypatch.setattr(DecodePlan, "run",
+    original_run = LayerPlan.run
+    monkeypatch.setattr(LayerPlan, "run",
                         lambda self, *args: runs.append(args[0].shape[0]) or original_run(self,
                                                                                           *args))
     with_plan = llm.generate(prompts, params)
@@ -125,7 +125,7 @@ def test_q8_0_weights_on_the_tiles_in_the_decode_loop_match_transformers(tmp_pat
         assert got.token_ids == tokens
         got_logprobs = [entry[t].logprob for entry, t in zip(got.logprobs, got.token_ids)]
         assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs)) < 1e-3
-    monkeypatch.setattr(model, "decode_plan", None)
+    monkeypatch.setattr(model, "layer_plan", None)
     without = llm.generate(prompts, params)
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in without] == \
         [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in with_plan]

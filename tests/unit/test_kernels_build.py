@@ -12,9 +12,9 @@ import pytest
 
 from tokenmill.attention import cpu_paged
 from tokenmill.layers import cpu_amx, cpu_fused, cpu_gemv
-from tokenmill.models import decode_plan
+from tokenmill.models import layer_plan
 
-KERNELS = [cpu_paged.KERNEL, cpu_gemv.KERNEL, cpu_fused.KERNEL, cpu_amx.KERNEL, decode_plan.LOOP]
+KERNELS = [cpu_paged.KERNEL, cpu_gemv.KERNEL, cpu_fused.KERNEL, cpu_amx.KERNEL, layer_plan.LOOP]
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,

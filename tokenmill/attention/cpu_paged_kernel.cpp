@@ -700,7 +700,7 @@ void write_kv_slots(torch::Tensor key, torch::Tensor value, torch::Tensor k_cach
   }
 }
 
-// For the C++ decode loop (kernels/entry_points.h).
+// For the C++ layer loop (kernels/entry_points.h).
 std::vector<pybind11::capsule> entry_points() {
   using namespace tokenmill_entry;
   return {export_entry<PagedDecodeAttentionFn>(&paged_decode_attention,

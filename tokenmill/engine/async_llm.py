@@ -2,7 +2,7 @@
 
 The engine thread owns the engine outright: asyncio code never touches it, it only posts
 commands (add / abort) into a thread-safe queue. Outputs go back per request through
-loop.call_soon_threadsafe into asyncio queues. torch and tokenmill's C++ kernels (decode loop
+loop.call_soon_threadsafe into asyncio queues. torch and tokenmill's C++ kernels (layer loop
 included, kernels/cpp_build.py) release the GIL, so the event loop answers HTTP and streams the
 last step's tokens while the engine computes the next.
 

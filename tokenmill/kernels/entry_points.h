@@ -1,13 +1,13 @@
 // Entry points of the CPU kernels, passed from one extension module to another as named
-// Python capsules (each kernel is its own module, built with its own flags). The decode loop
-// (models/decode_plan_kernel.cpp) calls them directly, without a trip through Python.
+// Python capsules (each kernel is its own module, built with its own flags). The layer loop
+// (models/layer_plan_kernel.cpp) calls them directly, without a trip through Python.
 
 #include <cstring>
 #include <vector>
 
 namespace tokenmill_entry {
 
-// Raw rows in, raw rows out (dense, row-major): the decode loop keeps one workspace a step,
+// Raw rows in, raw rows out (dense, row-major): the layer loop keeps one workspace a step,
 // so no kernel allocates or dispatches per layer.
 using AddRmsNormIntoFn = void(const float* x, const float* residual, const float* weight,
                               float eps, int64_t rows, int64_t n, float* out, float* sum);

@@ -29,7 +29,7 @@ from tokenmill.layers.cpu_gemv import BLOCK_FORMATS
 # paired medians: M = 32: 0.91x, 48: 0.94x, 64: 0.87x, 96: 1.27x, 128: 1.32x.
 AMX_MIN_ROWS = 80
 # The same for Q4_1 weights in the factored form (three products a block; up to 16 rows from
-# four-bit levels rebuilt in L1), in the C++ decode loop as in the modules. Whole 30-layer
+# four-bit levels rebuilt in L1), in the C++ layer loop as in the modules. Whole 30-layer
 # decode steps (short contexts) against compact panels, paired medians of 6, thirtieth
 # session: 8 rows 0.87x, 12 rows 1.15x, 16 rows 1.13x (docs/benchmarks.md).
 AMX_Q4_1_MIN_ROWS = 12

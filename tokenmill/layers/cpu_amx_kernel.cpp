@@ -30,7 +30,7 @@
 // fast (then tile loads and the readouts, not the products, set the pace).
 //
 // Q4_1 steps of every size read the levels in four bits, rebuilt as bf16 tiles in L1 a block at
-// a time (expand_levels). Decode steps of up to 16 rows (the C++ decode loop calls
+// a time (expand_levels). Decode steps of up to 16 rows (the C++ layer loop calls
 // amx_linear_factored_into) configure the accumulators and x tiles for their rows only.
 // SmolLM2's 120 layer linears, thirtieth session, medians of 9: 16 rows 13.95 ms against 15.09
 // from the bf16 tiles and 15.61 from the compact panels; 12 rows 12.62, 13.76, 12.71; 8 rows
@@ -710,7 +710,7 @@ void check_factored(int64_t k, const torch::Tensor& levels, const torch::Tensor&
 
 // y [rows, N] = x [rows, k] @ W^T, both dense rows, W packed by pack_amx_q4_1: the rows' block
 // sums times the minimums, then each block's x . q scaled by its d. The raw
-// form is what the C++ decode loop calls (kernels/entry_points.h).
+// form is what the C++ layer loop calls (kernels/entry_points.h).
 void amx_linear_factored_into(const float* x, int64_t rows, int64_t k, const torch::Tensor& levels,
                           const torch::Tensor& steps, const torch::Tensor& mins, float* y) {
   check_factored(k, levels, steps, mins);
@@ -779,7 +779,7 @@ torch::Tensor amx_linear_factored(torch::Tensor x, torch::Tensor levels, torch::
   return y;
 }
 
-// For the C++ decode loop (kernels/entry_points.h).
+// For the C++ layer loop (kernels/entry_points.h).
 std::vector<pybind11::capsule> entry_points() {
   using namespace tokenmill_entry;
   return {export_entry<AmxLinearFactoredIntoFn>(&amx_linear_factored_into,

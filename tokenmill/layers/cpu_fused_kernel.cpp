@@ -286,7 +286,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
-// For the C++ decode loop (kernels/entry_points.h).
+// For the C++ layer loop (kernels/entry_points.h).
 std::vector<pybind11::capsule> entry_points() {
   using namespace tokenmill_entry;
   return {export_entry<AddRmsNormIntoFn>(&add_rms_norm_into, "tokenmill.add_rms_norm_into"),

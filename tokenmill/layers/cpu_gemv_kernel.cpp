@@ -554,7 +554,7 @@ torch::Tensor compact_panel_rows(torch::Tensor packed, torch::Tensor ids) {
   return out;
 }
 
-// For the C++ decode loop (kernels/entry_points.h).
+// For the C++ layer loop (kernels/entry_points.h).
 std::vector<pybind11::capsule> entry_points() {
   using namespace tokenmill_entry;
   return {export_entry<GemvIntoFn>(&gemv_into, "tokenmill.gemv_into"),

@@ -18,7 +18,7 @@ Ways to run them (`linear_backend`):
 - "amx": "hybrid", with longer steps on the AMX tile unit (layers/cpu_amx.py) for weights
   that are exactly Q4_1 values (from AMX_Q4_1_MIN_ROWS tokens) or two bf16 numbers each (from
   AMX_MIN_ROWS): exact products summed in fp32, as accurate as oneDNN's fp32 GEMM. Shorter
-  decode-only steps keep the small-M kernel through the decode plan. Those weights keep no
+  decode-only steps keep the small-M kernel through the layer plan. Those weights keep no
   oneDNN copy; the others do.
 """
 

@@ -19,7 +19,7 @@ from tokenmill.layers.embedding import Embedding
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding
-from tokenmill.models.decode_plan import DecodePlan
+from tokenmill.models.layer_plan import LayerPlan
 from tokenmill.models.spec import ModelSpec
 
 # checkpoint sub-name -> (our merged module, part index)
@@ -96,13 +96,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, backend)
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.decode_plan: DecodePlan | None = None   # set by build_decode_plan
+        self.layer_plan: LayerPlan | None = None   # set by build_layer_plan
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.tables(positions, hidden.dtype)
-        plan = self.decode_plan
+        plan = self.layer_plan
         if plan is not None and plan.accepts(hidden.shape[0], rope, ctx):
             hidden, residual = plan.run(hidden, rope, ctx)
         else:
@@ -128,11 +128,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         return self.model(input_ids, positions, ctx)
 
-    def build_decode_plan(self) -> bool:
-        """Run the steps it takes through a DecodePlan when every layer is on the CPU kernels
+    def build_layer_plan(self) -> bool:
+        """Run the steps it takes through a LayerPlan when every layer is on the CPU kernels
         (call after the linears are packed and the fused kernels enabled); returns whether."""
-        self.model.decode_plan = DecodePlan.build(self.model.layers)
-        return self.model.decode_plan is not None
+        self.model.layer_plan = LayerPlan.build(self.model.layers)
+        return self.model.layer_plan is not None
 
     def embed_from_lm_head(self) -> bool:
         """With tied embeddings and the lm_head on compact panels, look tokens up in those

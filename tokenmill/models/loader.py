@@ -14,12 +14,12 @@ from tokenmill.kernels.cpp_build import load_in_parallel
 from tokenmill.layers import cpu_amx, cpu_fused, cpu_gemv
 from tokenmill.layers.cpu_fused import enable_fused_elementwise, resolve_elementwise_backend
 from tokenmill.layers.linear import prepack_linears, resolve_linear_backend
-from tokenmill.models import decode_plan, gguf_loader
+from tokenmill.models import gguf_loader, layer_plan
 from tokenmill.models.registry import model_class
 from tokenmill.models.spec import ModelSpec, spec_from_hf_config
 
-# The C++ kernels a CPU fp32 model may run (attention, linears, elementwise, decode loop).
-CPU_KERNELS = [cpu_paged.KERNEL, cpu_gemv.KERNEL, cpu_fused.KERNEL, decode_plan.LOOP,
+# The C++ kernels a CPU fp32 model may run (attention, linears, elementwise, layer loop).
+CPU_KERNELS = [cpu_paged.KERNEL, cpu_gemv.KERNEL, cpu_fused.KERNEL, layer_plan.LOOP,
                cpu_amx.KERNEL]
 
 
@@ -84,7 +84,7 @@ def load_model(kind: str, path: Path, dtype: torch.dtype, device: torch.device,
         model.embed_from_lm_head()
     if resolve_elementwise_backend(elementwise_backend, device, dtype) == "cpu_fused":
         enable_fused_elementwise(model)
-    model.build_decode_plan()
+    model.build_layer_plan()
     return model.eval(), spec, max_positions
 
 

@@ -1,12 +1,12 @@
-"""DecodePlan: the decoder layers of a Llama-family model for a step, as one flat loop over the
-CPU kernels, run in C++ (decode_plan_kernel.cpp).
+"""LayerPlan: the decoder layers of a Llama-family model for a step, as one flat loop over the
+CPU kernels, run in C++ (layer_plan_kernel.cpp).
 
 At batch 1 the module path spent about 3 ms of a 27 ms token in Python: ten nn.Module calls
 per layer, the attention backend's general bookkeeping (prefill spans, a copy into a shared
 output) and their small tensor ops. A flat Python loop over the kernels still made some 600
 dispatches a token. The plan keeps each layer's kernel-ready weights and calls the same
 kernels, in the same order, on the same tensors, so its output is bitwise that of the module
-path (test_decode_plan_is_bitwise_the_module_path in tests/model/test_fast_paths.py).
+path (test_layer_plan_is_bitwise_the_module_path in tests/model/test_fast_paths.py).
 Each linear runs as the module would for the step's size: the small-M kernel's panels, or
 GGUF Q4_1 (Q8_0) weights on the AMX tiles from their min_rows (layers/cpu_amx.py).
 
@@ -39,9 +39,9 @@ from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.rotary import RopeTables
 
-LOOP = CpuExtension("tokenmill_decode_plan", Path(__file__).with_name("decode_plan_kernel.cpp"),
-                    ["decode_layers"], "C++ decode loop", "the layer modules",
-                    headers=(ENTRY_POINTS,), keep_gil=("decode_layers",))  # it lets go itself
+LOOP = CpuExtension("tokenmill_layer_plan", Path(__file__).with_name("layer_plan_kernel.cpp"),
+                    ["run_layers"], "C++ layer loop", "the layer modules",
+                    headers=(ENTRY_POINTS,), keep_gil=("run_layers",))  # it lets go itself
 
 
 _NONE = torch.empty(0)
@@ -66,7 +66,7 @@ def _in_loop(linear: Linear, num_tokens: int) -> bool:
 
 
 def _linear_weights(linear: Linear, num_tokens: int) -> list[torch.Tensor]:
-    """The three tensors decode_layers takes for a linear: its tiles' levels, steps and
+    """The three tensors run_layers takes for a linear: its tiles' levels, steps and
     minimums, or its cpu_gemv panels for the step's size and two empty tensors."""
     if _on_tiles(linear, num_tokens):
         return list(linear.amx_weight.factored_operands())
@@ -87,13 +87,13 @@ class _Layer(NamedTuple):
         return self.qkv, self.o, self.gate_up, self.down
 
     def weights(self, num_tokens: int) -> list[torch.Tensor]:
-        """The 15 tensors decode_layers takes for this layer (no bias: an empty tensor)."""
+        """The 15 tensors run_layers takes for this layer (no bias: an empty tensor)."""
         bias = self.qkv_bias if self.qkv_bias is not None else _NONE
         return [self.input_norm, self.post_norm, bias,
                 *(t for m in self.linears for t in _linear_weights(m, num_tokens))]
 
 
-class DecodePlan:
+class LayerPlan:
     def __init__(self, layers: list[_Layer], eps: float, heads: int, kv_heads: int,
                  scale: float, backend: CpuPagedBackend, loop: ModuleType,
                  kernel_entry_points: list[object]) -> None:
@@ -104,7 +104,7 @@ class DecodePlan:
         min_rows = [m.amx_weight.min_rows for layer in layers for m in layer.linears
                     if m.amx_weight is not None]
         self._uniform_from = max([GEMV_MAX_ROWS, *min_rows]) + 1
-        # by step size (up to _uniform_from): whether the loop takes it, and decode_layers'
+        # by step size (up to _uniform_from): whether the loop takes it, and run_layers'
         # one flat list of weights, 15 per layer (compact panels for the fewest tokens, tiles
         # for the most), made once
         self._takes_size: dict[int, bool] = {}
@@ -114,7 +114,7 @@ class DecodePlan:
         self.backend, self.loop, self.entry_points = backend, loop, kernel_entry_points
 
     @classmethod
-    def build(cls, layers: nn.ModuleList) -> DecodePlan | None:
+    def build(cls, layers: nn.ModuleList) -> LayerPlan | None:
         """The plan for `layers` (LlamaDecoderLayer), or None unless every part of them runs
         on the CPU kernels: cpu_fused norms and rotary, cpu_gemv linears ("hybrid"), the
         cpu_paged attention kernel, and the C++ loop over them builds."""
@@ -154,7 +154,7 @@ class DecodePlan:
 
     def weights(self, num_tokens: int) -> list[torch.Tensor]:
         if not self.takes(num_tokens):
-            raise ValueError(f"decode plan: no kernel here for some linear of a "
+            raise ValueError(f"layer plan: no kernel here for some linear of a "
                              f"{num_tokens}-token step")
         size = min(num_tokens, self._uniform_from)
         weights = self._weights_by_size.get(size)
@@ -197,7 +197,7 @@ class DecodePlan:
         window = -1 if meta.sliding_window is None else meta.sliding_window
         caches = [c for kv in ctx.kv_caches[:self.num_layers] for c in kv]
         chunks, tables = meta.packed_prefills if meta.prefills else (_NO_CHUNKS, _NO_TABLES)
-        hidden, residual = self.loop.decode_layers(
+        hidden, residual = self.loop.run_layers(
             hidden, self.weights(n), caches, rope.cos.view(n, dim), rope.sin.view(n, dim),
             meta.slot_mapping, meta.num_decodes, meta.decode_block_table, meta.decode_seq_lens,
             chunks, tables, self.eps, self.heads, self.kv_heads, self.scale, window,

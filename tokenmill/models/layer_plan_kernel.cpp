@@ -1,4 +1,4 @@
-// The decode plan's layer loop in C++ (models/decode_plan.py): for a step of decodes and
+// The layer plan's layer loop in C++ (models/layer_plan.py): for a step of decodes and
 // prefill chunks, every decoder layer as the same kernel calls, in the same order, on the same
 // tensors as the layer modules, so the output is bitwise theirs.
 //
@@ -32,7 +32,7 @@ struct Kernels {
   // y [n, out] = x [n, k] @ the linear's weight (w: its three tensors).
   void linear(const float* x, int64_t n, int64_t k, const torch::Tensor* w, float* y) const {
     if (w[1].numel() == 0) return gemv(x, n, k, w[0], y);
-    TORCH_CHECK(amx_linear_factored != nullptr, "decode_layers: AMX tiles but no AMX kernel");
+    TORCH_CHECK(amx_linear_factored != nullptr, "run_layers: AMX tiles but no AMX kernel");
     amx_linear_factored(x, n, k, w[0], w[1], w[2], y);
   }
 
@@ -92,19 +92,19 @@ void check_step(const std::vector<torch::Tensor>& weights, const std::vector<tor
                 int64_t dim) {
   TORCH_CHECK(!weights.empty() && weights.size() % kWeightsPerLayer == 0 &&
               caches.size() == 2 * (weights.size() / kWeightsPerLayer),
-              "decode_layers: 15 weights and 2 caches per layer");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layers: hidden [tokens, h]");
+              "run_layers: 15 weights and 2 caches per layer");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "run_layers: hidden [tokens, h]");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
-              slot_mapping.numel() == hidden.size(0), "decode_layers: one int64 slot per token");
+              slot_mapping.numel() == hidden.size(0), "run_layers: one int64 slot per token");
   for (const auto& cache : caches)   // all alike, so one range check serves every layer
     TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() &&
                 cache.scalar_type() == torch::kFloat32 && cache.size(2) == kv_heads &&
                 cache.size(3) == dim && cache.sizes() == caches[0].sizes(),
-                "decode_layers: contiguous fp32 caches of kv_heads x dim, all of one shape");
+                "run_layers: contiguous fp32 caches of kv_heads x dim, all of one shape");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t num_slots = caches[0].size(0) * caches[0].size(1);
   for (int64_t t = 0; t < slot_mapping.numel(); ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "decode_layers: slot out of range");
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "run_layers: slot out of range");
 }
 
 // The prefill chunks ([num, 4]: query_start, query_len, seq_len, offset in tables) cover the
@@ -115,8 +115,8 @@ void check_chunks(const torch::Tensor& chunks, const torch::Tensor& tables, int6
   TORCH_CHECK(chunks.scalar_type() == torch::kInt64 && chunks.dim() == 2 &&
               chunks.size(1) == 4 && chunks.is_contiguous() &&
               tables.scalar_type() == torch::kInt64 && tables.dim() == 1 &&
-              tables.is_contiguous(), "decode_layers: int64 chunks [num, 4] and tables [blocks]");
-  TORCH_CHECK(num_decodes >= 0 && num_decodes <= tokens, "decode_layers: num_decodes");
+              tables.is_contiguous(), "run_layers: int64 chunks [num, 4] and tables [blocks]");
+  TORCH_CHECK(num_decodes >= 0 && num_decodes <= tokens, "run_layers: num_decodes");
   const int64_t *row = chunks.data_ptr<int64_t>(), *table = tables.data_ptr<int64_t>();
   const int64_t block_size = cache.size(1);
   for (int64_t c = 0; c < chunks.size(0); ++c, row += 4) {
@@ -124,9 +124,9 @@ void check_chunks(const torch::Tensor& chunks, const torch::Tensor& tables, int6
     const int64_t blocks = (seq_len + block_size - 1) / block_size;
     TORCH_CHECK(start >= num_decodes && len >= 0 && start + len <= tokens && len <= seq_len &&
                 offset >= 0 && offset + blocks <= tables.size(0),
-                "decode_layers: chunk ", c, " out of range of the step or its tables");
+                "run_layers: chunk ", c, " out of range of the step or its tables");
     for (int64_t b = offset; b < offset + blocks; ++b)
-      TORCH_CHECK(table[b] >= 0 && table[b] < cache.size(0), "decode_layers: block id");
+      TORCH_CHECK(table[b] >= 0 && table[b] < cache.size(0), "run_layers: block id");
   }
 }
 
@@ -136,24 +136,24 @@ void check_chunks(const torch::Tensor& chunks, const torch::Tensor& tables, int6
 // leave them. cos/sin [tokens, head_dim]. The first num_decodes tokens are decodes
 // (block_table, seq_lens as paged_decode_attention's), the rest prefill chunks (chunks,
 // tables as paged_prefill_attention's).
-std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
-                                         std::vector<torch::Tensor> caches, torch::Tensor cos,
-                                         torch::Tensor sin, torch::Tensor slot_mapping,
-                                         int64_t num_decodes, torch::Tensor block_table,
-                                         torch::Tensor seq_lens, torch::Tensor chunks,
-                                         torch::Tensor tables, double eps, int64_t heads,
-                                         int64_t kv_heads, double scale, int64_t sliding_window,
-                                         std::vector<pybind11::capsule> kernel_capsules) {
+std::vector<torch::Tensor> run_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
+                                      std::vector<torch::Tensor> caches, torch::Tensor cos,
+                                      torch::Tensor sin, torch::Tensor slot_mapping,
+                                      int64_t num_decodes, torch::Tensor block_table,
+                                      torch::Tensor seq_lens, torch::Tensor chunks,
+                                      torch::Tensor tables, double eps, int64_t heads,
+                                      int64_t kv_heads, double scale, int64_t sliding_window,
+                                      std::vector<pybind11::capsule> kernel_capsules) {
   const Kernels k = import_kernels(kernel_capsules);
   const int64_t n = hidden.size(0), h = hidden.size(1), dim = cos.size(1);
   const int64_t qk_width = (heads + kv_heads) * dim, qkv_width = qk_width + kv_heads * dim;
   check_step(weights, caches, hidden, slot_mapping, kv_heads, dim);
   check_chunks(chunks, tables, num_decodes, n, caches[0]);
   TORCH_CHECK(chunks.size(0) == 0 || sliding_window < 0,
-              "decode_layers: prefill chunks take no sliding window");
+              "run_layers: prefill chunks take no sliding window");
   TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
               sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.size(0) == n &&
-              dim % 2 == 0, "decode_layers: float32 hidden, contiguous cos/sin [tokens, "
+              dim % 2 == 0, "run_layers: float32 hidden, contiguous cos/sin [tokens, "
               "head_dim], head_dim even");
   const int64_t gate_up_width = k.out_features(&weights[kGateUp]);
   // every layer checked before the first writes the cache (the linears check their K)
@@ -166,7 +166,7 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
                 (w[2].numel() == 0 || vector_of(w[2], qkv_width)) &&
                 k.out_features(w + kQkv) == qkv_width && k.out_features(w + kO) == h &&
                 k.out_features(w + kGateUp) == gate_up_width && k.out_features(w + kDown) == h,
-                "decode_layers: layer ", layer, "'s weights do not fit the step's shapes");
+                "run_layers: layer ", layer, "'s weights do not fit the step's shapes");
   }
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   Workspace ws(hidden, qkv_width, heads, kv_heads, dim, gate_up_width);
@@ -202,7 +202,7 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor hidden, std::vector<torch
     if (chunks.size(0) > 0)   // the plan takes such steps only where the kernel does
       TORCH_CHECK(k.prefill_attention(ws.attention, ws.q, caches[2 * layer],
                                       caches[2 * layer + 1], chunks, tables, scale),
-                  "decode_layers: the prefill kernel does not take these shapes");
+                  "run_layers: the prefill kernel does not take these shapes");
     k.linear(ws.attention_p, n, heads * dim, w + kO, ws.o_p);
     k.add_rms_norm(ws.o_p, ws.residual_p, w[1].data_ptr<float>(), eps_f, n, h, ws.normed_p,
                    ws.residual_p);

@@ -169,6 +169,15 @@ FORMATS = {"q4_1": (q4_1_weight, "pack_gemv_q4", torch.uint8),
            "q8_0": (q8_0_weight, "pack_gemv_q8", torch.int8)}
 
 
+def packed(fmt: str, gen: torch.Generator, panels: int,
+           blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight of `panels` x 16 rows and `blocks` x 32 inputs in format `fmt`, and its
+    compact panels."""
+    make, packer, _ = FORMATS[fmt]
+    weight = make(gen, panels * 16, blocks * 32)
+    return weight, getattr(load_kernel(), packer)(weight)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 48), blocks=st.integers(1, 24), panels=st.integers(1, 9),
@@ -184,12 +193,10 @@ def test_compact_panels_give_bitwise_the_fp32_panels_output(fmt, rows, blocks, p
     # fp32 weights and sums them in the same order: not close, equal; and a row's result
     # still does not depend on the rows beside it. (Short Q4_1 steps take the factored form
     # by default where the build has AVX-512: the next test.)
-    make, packer, dtype = FORMATS[fmt]
     gen = torch.Generator().manual_seed(seed)
     kernel = load_kernel()
-    weight = make(gen, panels * 16, blocks * 32)
-    compact = getattr(kernel, packer)(weight)
-    assert compact.dtype == dtype and compact.numel() > 0
+    weight, compact = packed(fmt, gen, panels, blocks)
+    assert compact.dtype == FORMATS[fmt][2] and compact.numel() > 0
     assert compact.numel() <= weight.numel() * 17 // 16   # at most 1.0625 bytes a weight
     x = torch.randn(rows, blocks * 32, generator=gen)
     with switched_off(kernel.gemv_use_factored):
@@ -207,19 +214,15 @@ def test_compact_panels_give_bitwise_the_fp32_panels_output(fmt, rows, blocks, p
 def test_compact_panels_give_back_the_rows_they_hold(fmt, panels, blocks, shape, seed):
     # The embedding of a tied lm_head reads its rows from the panels (layers/embedding.py):
     # every row the same fp32 value as the weight's, whichever column of its panel it is.
-    make, packer, _ = FORMATS[fmt]
     gen = torch.Generator().manual_seed(seed)
-    kernel = load_kernel()
-    weight = make(gen, panels * 16, blocks * 32)
-    compact = getattr(kernel, packer)(weight)
+    weight, compact = packed(fmt, gen, panels, blocks)
     ids = torch.randint(0, panels * 16, shape, generator=gen)
-    assert torch.equal(kernel.compact_panel_rows(compact, ids), F.embedding(ids, weight))
+    assert torch.equal(load_kernel().compact_panel_rows(compact, ids), F.embedding(ids, weight))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_compact_panel_rows_reject_ids_out_of_range(fmt):
-    make, packer, _ = FORMATS[fmt]
-    compact = getattr(load_kernel(), packer)(make(torch.Generator().manual_seed(3), 32, 64))
+    _, compact = packed(fmt, torch.Generator().manual_seed(3), 2, 2)
     for bad in (32, -1):
         with pytest.raises(RuntimeError, match=f"id {bad} out of range"):
             load_kernel().compact_panel_rows(compact, torch.tensor([0, bad]))

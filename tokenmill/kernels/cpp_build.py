@@ -11,12 +11,15 @@ A build is one compiler process on one core, some 25-35 s here (torch_prelude.h,
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -62,21 +65,50 @@ def python_bindings(functions: list[str], keep_gil: tuple[str, ...]) -> str:
     return "\n".join(lines + ["}", ""])
 
 
+def _build(prefix: str, source: Path, functions: list[str], extra_cflags: tuple[str, ...],
+           headers: tuple[Path, ...], keep_gil: tuple[str, ...]) -> tuple[str, str, list[str]]:
+    """The build's name, source text and compiler flags. TORCH_PRELUDE and `headers` are put
+    in front of the source text, so a change to them rebuilds the kernel."""
+    text = ("".join(h.read_text() for h in (TORCH_PRELUDE, *headers)) + source.read_text()
+            + python_bindings(functions, keep_gil))
+    cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
+    return f"{prefix}_{_cpu_features_key()}_{_text_key(text, cflags)}", text, cflags
+
+
+def build_directory(name: str) -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+    return Path(_get_build_directory(name, verbose=False))
+
+
+@contextmanager
+def _build_lock(name: str) -> Iterator[None]:
+    """Held while a process builds or loads `name`. torch's own lock is a file that a build
+    killed midway (Ctrl-C during a server's first start) leaves behind, and every later start
+    then waited for it forever. This one is an flock, released when its process dies; every
+    builder of our kernels takes it first, so a torch lock found while holding it is stale."""
+    directory = build_directory(name)
+    with open(directory / "tokenmill.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)   # released when the file closes
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def compile_cpu_extension(prefix: str, source: Path, functions: list[str], name: str,
                           fallback: str, extra_cflags: tuple[str, ...] = (),
                           headers: tuple[Path, ...] = (),
                           keep_gil: tuple[str, ...] = HOLDS_GIL) -> ModuleType | None:
     """The compiled module exposing `functions`, or None if it cannot be built (one warning
-    naming the kernel, its fallback and the first line of the error). TORCH_PRELUDE and
-    `headers` are put in front of the source text, so a change to them rebuilds the kernel."""
+    naming the kernel, its fallback and the first line of the error)."""
     try:
         from torch.utils.cpp_extension import load_inline
-        text = ("".join(h.read_text() for h in (TORCH_PRELUDE, *headers)) + source.read_text()
-                + python_bindings(functions, keep_gil))
-        cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
-        return load_inline(name=f"{prefix}_{_cpu_features_key()}_{_text_key(text, cflags)}",
-                           cpp_sources=[text], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-                           no_implicit_headers=True)
+        build_name, text, cflags = _build(prefix, source, functions, extra_cflags, headers,
+                                          keep_gil)
+        with _build_lock(build_name):
+            return load_inline(name=build_name, cpp_sources=[text], extra_cflags=cflags,
+                               extra_ldflags=["-fopenmp"], no_implicit_headers=True)
     except Exception as error:  # no compiler, no ninja, a build error: the caller falls back
         first_line = str(error).splitlines()[0] if str(error) else repr(error)
         logger.warning("%s unavailable, using %s: %s", name, fallback, first_line)
@@ -99,14 +131,23 @@ class CpuExtension:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False,
                                   compare=False)
 
+    def build_name(self) -> str:
+        """The name of its build (and of its directory in torch's extension cache)."""
+        return _build(self.prefix, self.source, self.functions, self.extra_cflags, self.headers,
+                      self.keep_gil)[0]
+
+    def compile(self) -> ModuleType | None:
+        """Build (or find built) and load it, whether or not this process has already."""
+        return compile_cpu_extension(self.prefix, self.source, self.functions, self.name,
+                                     self.fallback, self.extra_cflags, self.headers,
+                                     self.keep_gil)
+
     def load(self) -> ModuleType | None:
         """The compiled module (cached on disk between processes), or None without a compiler.
         A second thread asking while the first builds waits for that build."""
         with self._lock:
             if not self._tried:
-                self._module = compile_cpu_extension(self.prefix, self.source, self.functions,
-                                                     self.name, self.fallback, self.extra_cflags,
-                                                     self.headers, self.keep_gil)
+                self._module = self.compile()
                 self._tried = True
         return self._module
 

@@ -137,7 +137,7 @@ class LayerPlan:
         first = layers[0]
         attn = first.self_attn
         kernels = [first.input_layernorm.kernel, load_gemv_kernel(), attn.backend.kernel]
-        if any(_on_tiles(m, GEMV_MAX_ROWS) for layer in plan_layers for m in layer.linears):
+        if any(m.amx_weight is not None for layer in plan_layers for m in layer.linears):
             kernels.append(cpu_amx.load_kernel())   # it packed them, so it loads
         return cls(plan_layers, first.input_layernorm.eps, attn.num_heads, attn.num_kv_heads,
                    attn.backend.scale, attn.backend, loop,

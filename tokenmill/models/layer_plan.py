@@ -186,7 +186,6 @@ class LayerPlan:
             self._prefill_kernel_takes[shape] = fits
         return fits
 
-
     def run(self, hidden: torch.Tensor, rope: RopeTables, ctx: ForwardContext
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: [num_tokens, hidden_size] embeddings -> (last layer's output, residual),

@@ -124,7 +124,8 @@ def test_layer_plan_is_bitwise_the_module_path(make_llm, monkeypatch, variant):
         if load_amx_kernel() is None:
             pytest.skip("no AMX tiles on this CPU")
         monkeypatch.setattr(cpu_amx, "AMX_Q4_1_MIN_ROWS", 3)
-        monkeypatch.setattr(model, "layer_plan", LayerPlan.build(model.layers))
+        monkeypatch.setattr(model, "layer_plan", LayerPlan.build(model.layers, model.rotary,
+                                                                  model.norm))
         assert model.layer_plan.weights(5)[3].dtype == torch.uint8   # q|k|v's 4-bit levels
     if variant == "qkv-bias":
         gen = torch.Generator().manual_seed(0)
@@ -133,11 +134,13 @@ def test_layer_plan_is_bitwise_the_module_path(make_llm, monkeypatch, variant):
             bias = torch.nn.Parameter(torch.randn(qkv.out_features, generator=gen) * 0.05,
                                       requires_grad=False)
             monkeypatch.setattr(qkv, "bias", bias)
-        monkeypatch.setattr(model, "layer_plan", LayerPlan.build(model.layers))
+        monkeypatch.setattr(model, "layer_plan", LayerPlan.build(model.layers, model.rotary,
+                                                                  model.norm))
     runs = []   # (decodes, prefill chunks) of each step the plan ran
     original_run = LayerPlan.run
-    monkeypatch.setattr(LayerPlan, "run", lambda self, hidden, rope, ctx: runs.append(
-        (ctx.attn.num_decodes, len(ctx.attn.prefills))) or original_run(self, hidden, rope, ctx))
+    monkeypatch.setattr(LayerPlan, "run", lambda self, hidden, positions, ctx: runs.append(
+        (ctx.attn.num_decodes, len(ctx.attn.prefills))) or original_run(self, hidden, positions,
+                                                                         ctx))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3,
                             prompt_logprobs=2)
 
@@ -205,24 +208,28 @@ def test_layer_loop_rejects_bad_steps_before_touching_the_cache(llm):
     before = [c.clone() for c in caches[:2]]
     dim = k_cache.shape[3]
     hidden = torch.randn(1, model.norm.weight.shape[0])
-    cos, sin = torch.ones(1, dim), torch.zeros(1, dim)
+    cos, sin = torch.ones(4, dim), torch.zeros(4, dim)   # rotary tables of 4 positions
     table, lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
 
-    def step(slot: int, caches: list):
-        return plan.loop.run_layers(hidden, plan.weights(1), caches, cos, sin,
-                                    torch.tensor([slot]), 1, table, lens, *NO_CHUNKS, plan.eps,
-                                    plan.heads, plan.kv_heads, plan.scale, -1, plan.entry_points)
+    def step(slot: int, caches: list, position: int = 0):
+        return plan.loop.run_layers(hidden, plan.weights(1), plan.final_norm, caches,
+                                    torch.tensor([position]), cos, sin, torch.tensor([slot]), 1,
+                                    table, lens, *NO_CHUNKS, plan.eps, plan.heads, plan.kv_heads,
+                                    plan.scale, -1, plan.entry_points)
 
     with pytest.raises(RuntimeError, match="slot out of range"):
         step(num_slots, caches)
     with pytest.raises(RuntimeError, match="2 caches per layer"):
         step(0, caches[:-2])
+    with pytest.raises(RuntimeError, match="position 4 past the rotary tables"):
+        step(0, caches, position=4)
 
     def prefill(chunk: list[int], block: int):
-        return plan.loop.run_layers(hidden, plan.weights(1), caches, cos, sin,
-                                    torch.tensor([0]), 0, table[:0], lens[:0],
-                                    torch.tensor([chunk]), torch.tensor([block]), plan.eps,
-                                    plan.heads, plan.kv_heads, plan.scale, -1, plan.entry_points)
+        return plan.loop.run_layers(hidden, plan.weights(1), plan.final_norm, caches,
+                                    torch.tensor([0]), cos, sin, torch.tensor([0]), 0, table[:0],
+                                    lens[:0], torch.tensor([chunk]), torch.tensor([block]),
+                                    plan.eps, plan.heads, plan.kv_heads, plan.scale, -1,
+                                    plan.entry_points)
 
     for chunk, block in (([0, 2, 2, 0], 0), ([0, 1, 1, 1], 0), ([0, 1, 1, 0], k_cache.shape[0])):
         with pytest.raises(RuntimeError, match="chunk 0 out of range|block id"):
@@ -241,12 +248,12 @@ def test_layer_loop_lets_other_threads_run(llm):
         pytest.skip("the layer plan needs the C++ kernels")
     k_cache = llm.engine.core.worker.runner.kv_caches[0][0]
     caches = [torch.zeros(2, *k_cache.shape[1:]) for _ in range(2 * plan.num_layers)]
-    rows, dim = GEMV_MAX_ROWS, k_cache.shape[3]   # the longest step the plan takes
+    rows = GEMV_MAX_ROWS   # the longest step the plan takes
     hidden = torch.randn(rows, model.norm.weight.shape[0])
-    cos, sin = torch.ones(rows, dim), torch.zeros(rows, dim)
     table = torch.zeros(rows, 1, dtype=torch.int64)
     lens, slots = torch.ones(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
     duration, stall = longest_stall_beside(lambda: plan.loop.run_layers(
-        hidden, plan.weights(rows), caches, cos, sin, slots, rows, table, lens, *NO_CHUNKS,
-        plan.eps, plan.heads, plan.kv_heads, plan.scale, -1, plan.entry_points))
+        hidden, plan.weights(rows), plan.final_norm, caches, slots, plan.rotary.cos,
+        plan.rotary.sin, slots, rows, table, lens, *NO_CHUNKS, plan.eps, plan.heads,
+        plan.kv_heads, plan.scale, -1, plan.entry_points))
     assert stall < duration / 4, (stall, duration)

@@ -37,7 +37,8 @@ from tokenmill.layers import cpu_amx
 from tokenmill.layers.cpu_gemv import GEMV_MAX_ROWS
 from tokenmill.layers.cpu_gemv import load_kernel as load_gemv_kernel
 from tokenmill.layers.linear import Linear
-from tokenmill.layers.rotary import RopeTables
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
 
 LOOP = CpuExtension("tokenmill_layer_plan", Path(__file__).with_name("layer_plan_kernel.cpp"),
                     ["run_layers"], "C++ layer loop", "the layer modules",
@@ -94,10 +95,11 @@ class _Layer(NamedTuple):
 
 
 class LayerPlan:
-    def __init__(self, layers: list[_Layer], eps: float, heads: int, kv_heads: int,
-                 scale: float, backend: CpuPagedBackend, loop: ModuleType,
-                 kernel_entry_points: list[object]) -> None:
+    def __init__(self, layers: list[_Layer], rotary: RotaryEmbedding, final_norm: torch.Tensor,
+                 eps: float, heads: int, kv_heads: int, scale: float, backend: CpuPagedBackend,
+                 loop: ModuleType, kernel_entry_points: list[object]) -> None:
         self.layers = layers
+        self.rotary, self.final_norm = rotary, final_norm
         self.num_layers = len(layers)
         # From this size on every linear takes a step as it takes any longer one (the panels'
         # limit and the tiles' min_rows lie below), so longer steps share its entries.
@@ -114,10 +116,14 @@ class LayerPlan:
         self.backend, self.loop, self.entry_points = backend, loop, kernel_entry_points
 
     @classmethod
-    def build(cls, layers: nn.ModuleList) -> LayerPlan | None:
-        """The plan for `layers` (LlamaDecoderLayer), or None unless every part of them runs
-        on the CPU kernels: cpu_fused norms and rotary, cpu_gemv linears ("hybrid"), the
-        cpu_paged attention kernel, and the C++ loop over them builds."""
+    def build(cls, layers: nn.ModuleList, rotary: RotaryEmbedding, norm: RMSNorm
+              ) -> LayerPlan | None:
+        """The plan for `layers` (LlamaDecoderLayer) with the model's rotary tables and final
+        `norm`, or None unless every part of them runs on the CPU kernels: cpu_fused norms and
+        rotary, cpu_gemv linears ("hybrid"), the cpu_paged attention kernel, and the C++ loop
+        over them builds."""
+        if norm.kernel is None or norm.eps != layers[0].input_layernorm.eps:
+            return None
         plan_layers = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -139,8 +145,8 @@ class LayerPlan:
         kernels = [first.input_layernorm.kernel, load_gemv_kernel(), attn.backend.kernel]
         if any(m.amx_weight is not None for layer in plan_layers for m in layer.linears):
             kernels.append(cpu_amx.load_kernel())   # it packed them, so it loads
-        return cls(plan_layers, first.input_layernorm.eps, attn.num_heads, attn.num_kv_heads,
-                   attn.backend.scale, attn.backend, loop,
+        return cls(plan_layers, rotary, norm.weight, first.input_layernorm.eps, attn.num_heads,
+                   attn.num_kv_heads, attn.backend.scale, attn.backend, loop,
                    [e for k in kernels for e in k.entry_points()])
 
     def takes(self, num_tokens: int) -> bool:
@@ -163,11 +169,12 @@ class LayerPlan:
             self._weights_by_size[size] = weights
         return weights
 
-    def accepts(self, num_tokens: int, rope: RopeTables, ctx: ForwardContext) -> bool:
-        """A step the kernels take: linears for its size, fp32 caches, the rotary kernel in
-        the step's tables, and prefill chunks (if any) for the paged prefill kernel."""
+    def accepts(self, num_tokens: int, ctx: ForwardContext) -> bool:
+        """A step the kernels take: linears for its size, fp32 caches, the rotary kernel, and
+        prefill chunks (if any) for the paged prefill kernel."""
         meta = ctx.attn
-        if (rope.kernel is None or ctx.kv_caches[0][0].dtype != torch.float32
+        if (self.rotary.kernel is None or self.rotary.cos.dtype != torch.float32
+                or ctx.kv_caches[0][0].dtype != torch.float32
                 or not self.takes(num_tokens)):
             return False
         return not meta.prefills or (
@@ -186,19 +193,18 @@ class LayerPlan:
             self._prefill_kernel_takes[shape] = fits
         return fits
 
-    def run(self, hidden: torch.Tensor, rope: RopeTables, ctx: ForwardContext
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: [num_tokens, hidden_size] embeddings -> (last layer's output, residual),
-        as the layer loop of LlamaModel.forward leaves them."""
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+            ) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size] embeddings, positions: [num_tokens] -> the final
+        norm of the last layer's output, as LlamaModel.forward's modules leave it."""
         n = hidden.shape[0]
         meta: AttentionMetadata = ctx.attn
-        dim = rope.cos.shape[-1]
         window = -1 if meta.sliding_window is None else meta.sliding_window
         caches = [c for kv in ctx.kv_caches[:self.num_layers] for c in kv]
         chunks, tables = meta.packed_prefills if meta.prefills else (_NO_CHUNKS, _NO_TABLES)
-        hidden, residual = self.loop.run_layers(
-            hidden, self.weights(n), caches, rope.cos.view(n, dim), rope.sin.view(n, dim),
-            meta.slot_mapping, meta.num_decodes, meta.decode_block_table, meta.decode_seq_lens,
-            chunks, tables, self.eps, self.heads, self.kv_heads, self.scale, window,
-            self.entry_points)
-        return hidden, residual
+        normed, _ = self.loop.run_layers(
+            hidden, self.weights(n), self.final_norm, caches, positions, self.rotary.cos,
+            self.rotary.sin, meta.slot_mapping, meta.num_decodes, meta.decode_block_table,
+            meta.decode_seq_lens, chunks, tables, self.eps, self.heads, self.kv_heads,
+            self.scale, window, self.entry_points)
+        return normed

@@ -57,9 +57,9 @@ Kernels import_kernels(const std::vector<pybind11::capsule>& capsules) {
 // A step's activations, [tokens, width] each, made once a step and reused by every layer;
 // each tensor's rows are also kept as a raw pointer for the kernels.
 struct Workspace {
-  torch::Tensor hidden, residual, normed, qkv, q, k, attention, o, gate_up, act;
+  torch::Tensor hidden, residual, normed, qkv, q, k, attention, o, gate_up, act, cos, sin;
   float *hidden_p, *residual_p, *normed_p, *qkv_p, *q_p, *k_p, *attention_p, *o_p, *gate_up_p,
-      *act_p;
+      *act_p, *cos_p, *sin_p;
 
   Workspace(const torch::Tensor& input, int64_t qkv_width, int64_t heads, int64_t kv_heads,
             int64_t dim, int64_t gate_up_width) {
@@ -75,8 +75,34 @@ struct Workspace {
     attention = rows(heads * dim, attention_p).view({n, heads, dim});
     o = rows(input.size(1), o_p), gate_up = rows(gate_up_width, gate_up_p);
     act = rows(gate_up_width / 2, act_p);
+    cos = rows(dim, cos_p), sin = rows(dim, sin_p);
   }
 };
+
+// The rotary tables' rows [max positions, dim] at each token's position, into `out` [tokens,
+// dim] (positions checked by check_rotary).
+void gather_rows(const torch::Tensor& table, const int64_t* positions, int64_t tokens,
+                 float* out) {
+  const int64_t dim = table.size(1);
+  const float* rows = table.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t)
+    std::memcpy(out + t * dim, rows + positions[t] * dim, dim * sizeof(float));
+}
+
+void check_rotary(const torch::Tensor& positions, const torch::Tensor& cos,
+                  const torch::Tensor& sin, int64_t tokens) {
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() &&
+              positions.numel() == tokens, "run_layers: one int64 position per token");
+  TORCH_CHECK(cos.dim() == 2 && cos.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+              sin.scalar_type() == torch::kFloat32 && cos.size(1) % 2 == 0,
+              "run_layers: contiguous float32 cos/sin tables [positions, head_dim], "
+              "head_dim even");
+  const int64_t* at = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(at[t] >= 0 && at[t] < cos.size(0), "run_layers: position ", at[t],
+                " past the rotary tables (", cos.size(0), ")");
+}
 
 // rows [tokens, kv_heads * dim] (row stride `stride` floats) into the cache's slots.
 void write_slots(const float* rows, int64_t stride, const int64_t* slots, int64_t tokens,
@@ -132,34 +158,37 @@ void check_chunks(const torch::Tensor& chunks, const torch::Tensor& tables, int6
 
 }  // namespace
 
-// hidden [tokens, hidden] embeddings -> (last layer's output, residual), as the layer modules
-// leave them. cos/sin [tokens, head_dim]. The first num_decodes tokens are decodes
+// hidden [tokens, hidden] embeddings -> (the final norm of the last layer's output and its
+// residual, the residual), as the layer modules and the model's norm leave them. cos/sin: the
+// rotary tables [positions, head_dim], looked up at each token's position here (from Python,
+// two index_selects took ~40 us of a one-token step). The first num_decodes tokens are decodes
 // (block_table, seq_lens as paged_decode_attention's), the rest prefill chunks (chunks,
 // tables as paged_prefill_attention's).
 std::vector<torch::Tensor> run_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
-                                      std::vector<torch::Tensor> caches, torch::Tensor cos,
-                                      torch::Tensor sin, torch::Tensor slot_mapping,
+                                      torch::Tensor final_norm,
+                                      std::vector<torch::Tensor> caches, torch::Tensor positions,
+                                      torch::Tensor cos, torch::Tensor sin,
+                                      torch::Tensor slot_mapping,
                                       int64_t num_decodes, torch::Tensor block_table,
                                       torch::Tensor seq_lens, torch::Tensor chunks,
                                       torch::Tensor tables, double eps, int64_t heads,
                                       int64_t kv_heads, double scale, int64_t sliding_window,
                                       std::vector<pybind11::capsule> kernel_capsules) {
   const Kernels k = import_kernels(kernel_capsules);
+  check_rotary(positions, cos, sin, hidden.size(0));
   const int64_t n = hidden.size(0), h = hidden.size(1), dim = cos.size(1);
   const int64_t qk_width = (heads + kv_heads) * dim, qkv_width = qk_width + kv_heads * dim;
   check_step(weights, caches, hidden, slot_mapping, kv_heads, dim);
   check_chunks(chunks, tables, num_decodes, n, caches[0]);
   TORCH_CHECK(chunks.size(0) == 0 || sliding_window < 0,
               "run_layers: prefill chunks take no sliding window");
-  TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.size(0) == n &&
-              dim % 2 == 0, "run_layers: float32 hidden, contiguous cos/sin [tokens, "
-              "head_dim], head_dim even");
+  TORCH_CHECK(hidden.scalar_type() == torch::kFloat32, "run_layers: float32 hidden");
   const int64_t gate_up_width = k.out_features(&weights[kGateUp]);
   // every layer checked before the first writes the cache (the linears check their K)
   const auto vector_of = [](const torch::Tensor& t, int64_t size) {
     return t.numel() == size && t.is_contiguous() && t.scalar_type() == torch::kFloat32;
   };
+  TORCH_CHECK(vector_of(final_norm, h), "run_layers: a float32 final norm weight [hidden]");
   for (size_t layer = 0; layer < caches.size() / 2; ++layer) {
     const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
     TORCH_CHECK(vector_of(w[0], h) && vector_of(w[1], h) &&
@@ -170,7 +199,9 @@ std::vector<torch::Tensor> run_layers(torch::Tensor hidden, std::vector<torch::T
   }
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   Workspace ws(hidden, qkv_width, heads, kv_heads, dim, gate_up_width);
-  const float *cos_p = cos.data_ptr<float>(), *sin_p = sin.data_ptr<float>();
+  gather_rows(cos, positions.data_ptr<int64_t>(), n, ws.cos_p);
+  gather_rows(sin, positions.data_ptr<int64_t>(), n, ws.sin_p);
+  const float *cos_p = ws.cos_p, *sin_p = ws.sin_p;
   // the decodes' rows, as views made once (a view a layer cost ~1 us)
   const bool all_decodes = num_decodes == n;
   const torch::Tensor decode_out =
@@ -210,5 +241,8 @@ std::vector<torch::Tensor> run_layers(torch::Tensor hidden, std::vector<torch::T
     k.silu_and_mul(ws.gate_up_p, n, gate_up_width / 2, ws.act_p);
     k.linear(ws.act_p, n, gate_up_width / 2, w + kDown, ws.hidden_p);
   }
-  return {ws.hidden, ws.residual};
+  // the model's final norm, as LlamaModel.forward applies it after the layers
+  k.add_rms_norm(ws.hidden_p, ws.residual_p, final_norm.data_ptr<float>(), eps_f, n, h,
+                 ws.normed_p, ws.residual_p);
+  return {ws.normed, ws.residual};
 }

@@ -101,13 +101,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary.tables(positions, hidden.dtype)
         plan = self.layer_plan
-        if plan is not None and plan.accepts(hidden.shape[0], rope, ctx):
-            hidden, residual = plan.run(hidden, rope, ctx)
-        else:
-            for layer in self.layers:
-                hidden, residual = layer(rope, hidden, residual, ctx)
+        if plan is not None and plan.accepts(hidden.shape[0], ctx):
+            return plan.run(hidden, positions, ctx)   # the final norm included
+        rope = self.rotary.tables(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden, residual = layer(rope, hidden, residual, ctx)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -131,7 +130,8 @@ class LlamaForCausalLM(nn.Module):
     def build_layer_plan(self) -> bool:
         """Run the steps it takes through a LayerPlan when every layer is on the CPU kernels
         (call after the linears are packed and the fused kernels enabled); returns whether."""
-        self.model.layer_plan = LayerPlan.build(self.model.layers)
+        self.model.layer_plan = LayerPlan.build(self.model.layers, self.model.rotary,
+                                                self.model.norm)
         return self.model.layer_plan is not None
 
     def embed_from_lm_head(self) -> bool:

@@ -1,4 +1,5 @@
-"""Reading a server's prefix-cache and draft counters from its Prometheus page (pure, fast)."""
+"""Reading a server's prefix-cache and draft counters and its engine steps from its
+Prometheus page (pure, fast)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from tokenmill.bench.server_counters import (PREFIX_CACHE, SPEC_DECODE, CounterPair,
-                                             parse_counters, run_share)
+from tokenmill.bench.server_counters import (PREFIX_CACHE, SPEC_DECODE, STEP_KINDS,
+                                             CounterPair, parse_counters, run_share, step_share)
+from tokenmill.metrics.prometheus import PrometheusStatLogger
+from tokenmill.metrics.stats import SchedulerStats
 
 COUNTS = st.lists(st.tuples(st.integers(0, 10**9), st.integers(0, 10**9)), min_size=1,
                   max_size=4)
@@ -68,3 +71,56 @@ def test_a_run_share_is_the_difference_of_two_readings(pair, before, more):
         assert share[ratio_key] == pytest.approx(dp / dt)
     assert run_share(pair, {}, {pair: (t0, p0)}) is None
     assert run_share(pair, {pair: (t0, p0)}, {}) is None
+
+
+STEPS = st.lists(st.tuples(st.integers(1, 5_000), st.booleans(), st.floats(1e-4, 2.0)),
+                 max_size=30)
+
+
+def _logged(steps: list[tuple[int, bool, float]], logger: PrometheusStatLogger,
+            done: int = 0) -> int:
+    """Record each (tokens, with prompt work, seconds) as the engine thread does, a step at
+    a time, with an idle record (no new step) in between; returns the steps counted."""
+    for tokens, prompt, seconds in steps:
+        done += 1
+        stats = SchedulerStats(num_steps=done, last_step_tokens=tokens,
+                               last_step_prompt_tokens=tokens if prompt else 0,
+                               last_step_seconds=seconds)
+        logger.record(stats, [])
+        logger.record(stats, [])   # an idle loop round publishes the same stats again
+    return done
+
+
+@settings(max_examples=40, deadline=None)
+@given(first=STEPS, run=STEPS)
+def test_a_runs_steps_are_counted_by_kind_from_the_servers_own_page(first, run):
+    """The real exporter's page: each step once (not again on idle records), by kind, and a
+    run's share is the steps between two readings."""
+    logger = PrometheusStatLogger("m")
+    done = _logged(first, logger)
+    before = parse_counters(generate_latest(logger.registry).decode())
+    _logged(run, logger, done)
+    after = parse_counters(generate_latest(logger.registry).decode())
+    for step, prompt in zip(STEP_KINDS, (False, True)):
+        mine = [seconds for _, p, seconds in first + run if p == prompt]
+        assert after[step][0] == len(mine)
+        assert after[step][1] == pytest.approx(sum(mine))
+    share = step_share(before, after)
+    for step, prompt in zip(STEP_KINDS, (False, True)):
+        mine = [seconds for _, p, seconds in run if p == prompt]
+        if not mine:
+            assert share is None or step.kind not in share
+            continue
+        assert share[step.kind]["steps"] == len(mine)
+        assert share[step.kind]["mean_ms"] == pytest.approx(1000 * sum(mine) / len(mine))
+    page = generate_latest(logger.registry).decode()
+    tokens = [t for t, _, _ in first + run]
+    assert f'tokenmill:iteration_tokens_total_count{{model_name="m"}} {float(len(tokens))}' in page
+    assert f'tokenmill:iteration_tokens_total_sum{{model_name="m"}} {float(sum(tokens))}' in page
+
+
+def test_no_step_histogram_gives_no_steps():
+    registry = CollectorRegistry()
+    Counter("vllm:prefix_cache_queries", "x", registry=registry).inc(3)
+    readings = parse_counters(generate_latest(registry).decode())
+    assert step_share(readings, readings) is None and step_share({}, {}) is None

@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import MODEL
 
@@ -117,3 +118,37 @@ def test_disconnect_non_streaming_aborts(server):
     metrics = server.wait_idle(timeout=10)
     assert metrics["tokenmill:num_requests_running"] == 0
     assert metrics["tokenmill:kv_cache_usage_perc"] == 0
+
+
+def _step_figures(server) -> dict[str, float]:
+    """The engine-step histograms' counts and sums, labelled series kept apart."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    figures = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(("tokenmill:iteration_tokens_total_",
+                                       "tokenmill:step_duration_seconds_")) and \
+                    sample.name.endswith(("_count", "_sum")):
+                figures[f"{sample.name}/{sample.labels.get('kind', '')}"] = sample.value
+    return figures
+
+
+def test_step_metrics_count_every_step_and_token(server, http):
+    """Alone on the server, a request's prompt is one step with prompt work and each token
+    after the first one decode step; the steps' tokens add up to the prompt's uncached tokens
+    and every generated token but the last (which no step computes)."""
+    server.wait_idle()
+    before = _step_figures(server)
+    body = {**_chat(f"Name a colour, then a fruit ({time.time_ns()})."), "max_tokens": 9,
+            "ignore_eos": True}
+    usage = http.post("/v1/chat/completions", json=body).json()["usage"]
+    server.wait_idle()
+    after = _step_figures(server)
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
+    uncached = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+    assert usage["completion_tokens"] == 9
+    assert delta["tokenmill:step_duration_seconds_count/prefill"] == 1
+    assert delta["tokenmill:step_duration_seconds_count/decode"] == 8
+    assert delta["tokenmill:iteration_tokens_total_count/"] == 9
+    assert delta["tokenmill:iteration_tokens_total_sum/"] == uncached + 8
+    assert 0 < delta["tokenmill:step_duration_seconds_sum/decode"] < 8 * 1.0

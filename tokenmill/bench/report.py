@@ -50,6 +50,12 @@ def format_table(result: dict) -> str:
     if drafts:
         lines.append(f"server drafts: {drafts['accepted']} of {drafts['drafts']} kept "
                      f"({100 * drafts['acceptance_rate']:.0f}%)")
+    steps = result.get("server_steps")
+    if steps:
+        kinds = (("decode", "decode-only"), ("prefill", "with prompt work"))
+        lines.append("server steps: " + "; ".join(
+            f"{steps[kind]['steps']} {name}, mean {steps[kind]['mean_ms']:.1f} ms"
+            for kind, name in kinds if kind in steps))
     use = result.get("utilization")
     if use:
         line = f"utilization: {use['processed_tok_s']:.1f} tokens processed/s"

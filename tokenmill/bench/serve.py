@@ -20,7 +20,8 @@ import httpx
 
 from tokenmill.bench.client import make_http_client, request_body, served_model, stream_request
 from tokenmill.bench.metrics import RequestRecord, request_detail, summarize
-from tokenmill.bench.server_counters import PREFIX_CACHE, SPEC_DECODE, read_counters, run_share
+from tokenmill.bench.server_counters import (PREFIX_CACHE, SPEC_DECODE, read_counters,
+                                              run_share, step_share)
 from tokenmill.bench.utilization import Ceilings, ModelCost, utilization
 from tokenmill.bench.workloads import (Plan, Session, TextTokenizer, Turn, WorkloadArgs,
                                        build_plan)
@@ -196,7 +197,7 @@ async def _bench(settings: BenchSettings, plan: Plan, warm: Plan | None) -> dict
         after = await read_counters(http, settings.base_url)
     result = result_line(settings, plan, model, run.endpoint, run.records, duration,
                          run_share(PREFIX_CACHE, before, after),
-                         run_share(SPEC_DECODE, before, after))
+                         run_share(SPEC_DECODE, before, after), step_share(before, after))
     if settings.ceilings and settings.cost:
         result["utilization"] = utilization(result, run.records, settings.cost,
                                             settings.ceilings, settings.weight_bytes)
@@ -222,7 +223,8 @@ def write_request_details(result: dict, records: list[RequestRecord], t0: float,
 def result_line(settings: BenchSettings, plan: Plan, model: str, endpoint: str,
                 records: list[RequestRecord], duration: float,
                 server_prefix_cache: dict | None = None,
-                server_spec_decode: dict | None = None) -> dict:
+                server_spec_decode: dict | None = None,
+                server_steps: dict | None = None) -> dict:
     figures = summarize(records, duration, settings.slo_ttft_ms, settings.slo_tpot_ms)
     return {
         "label": settings.label, "workload": plan.workload, "endpoint": endpoint,
@@ -243,6 +245,8 @@ def result_line(settings: BenchSettings, plan: Plan, model: str, endpoint: str,
         "server_prefix_cache": server_prefix_cache,
         # draft tokens the server checked and kept during the run (None: not reported)
         "server_spec_decode": server_spec_decode,
+        # the server's engine steps during the run by kind, count and mean (None: not reported)
+        "server_steps": server_steps,
     }
 
 

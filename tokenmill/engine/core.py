@@ -1,5 +1,9 @@
 """EngineCore: the step loop. schedule -> worker.execute -> scheduler.update.
 
+Each step's tokens (and how many were prompt work) and time are kept for the metrics
+(SchedulerStats' last_step_*; `tokenmill:step_duration_seconds` and
+`tokenmill:iteration_tokens_total`).
+
 A failing forward pass finishes only the requests of that step, with an error; the engine
 keeps serving the rest.
 """
@@ -7,6 +11,7 @@ keeps serving the rest.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from tokenmill.config import EngineConfig
@@ -53,6 +58,8 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, self.config.cache.block_size,
                                  self.config.cache.prefix_cache)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len, drafter)
+        self.num_steps = 0
+        self.last_step = (0, 0, 0.0)   # tokens, of those prompt chunks', seconds
 
     def _drafter(self) -> Drafter:
         spec = self.config.speculative
@@ -82,9 +89,14 @@ class EngineCore:
         return self.scheduler.has_unfinished
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        stats.num_steps = self.num_steps
+        (stats.last_step_tokens, stats.last_step_prompt_tokens,
+         stats.last_step_seconds) = self.last_step
+        return stats
 
     def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.last_scheduled = scheduled  # read by benchmarks for per-step figures
         if scheduled.is_empty and not scheduled.finished_request_ids:
@@ -94,7 +106,24 @@ class EngineCore:
         except Exception as exc:  # a failed forward must not take the other requests down
             logger.exception("engine step failed")
             return self._fail(list(scheduled.num_scheduled_tokens), exc)
-        return self.scheduler.update(scheduled, result)
+        outputs = self.scheduler.update(scheduled, result)
+        if not scheduled.is_empty:
+            self._count_step(scheduled, time.perf_counter() - start)
+        return outputs
+
+    def _count_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """The step's tokens and time; prompt tokens are those of requests new to the batch
+        or computing more than one token besides their drafts (SchedulerOutput.is_decode_only's
+        prompt work)."""
+        drafts = scheduled.draft_token_ids
+        new = {request.request_id for request in scheduled.new_requests}
+        tokens = prompt = 0
+        for request_id, num in scheduled.num_scheduled_tokens.items():
+            tokens += num
+            if request_id in new or num > 1 + len(drafts.get(request_id, ())):
+                prompt += num
+        self.num_steps += 1
+        self.last_step = (tokens, prompt, seconds)
 
     def _fail(self, request_ids: list[str], exc: Exception) -> list[EngineCoreOutput]:
         self.scheduler.finish_requests(request_ids, FinishReason.ERROR)

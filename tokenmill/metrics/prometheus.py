@@ -15,6 +15,10 @@ from tokenmill.outputs import FinishReason, RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                     20.0, 40.0, 80.0, 160.0)
+_STEP_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+                 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+STEP_KINDS = ("decode", "prefill")   # a step with no prompt work, and one with some
 
 
 class _RequestTrack:
@@ -71,11 +75,27 @@ class PrometheusStatLogger:
                              "Arrival to finish", **histogram)
         self.queue_time = Histogram("tokenmill:request_queue_time_seconds",
                                     "Arrival to first scheduled", **histogram)
+        # Engine steps: how many tokens each computed and how long it took, by kind (with
+        # prompt work or decodes only), for a step-by-step view of the batching.
+        self.iteration_tokens = Histogram("tokenmill:iteration_tokens_total",
+                                          "Tokens computed in an engine step",
+                                          buckets=_TOKEN_BUCKETS, **labels)
+        self.step_duration = Histogram("tokenmill:step_duration_seconds",
+                                       "An engine step, schedule to update, by kind: "
+                                       "'prefill' with prompt work, 'decode' without",
+                                       labelnames=["model_name", "kind"],
+                                       registry=self.registry, buckets=_STEP_BUCKETS)
+        self._last_steps = 0
         self.model_name = model_name
         self._tracks: dict[str, _RequestTrack] = {}
         for metric in (*self._gauges.values(), *self._totals.values(), self.prompt_tokens,
-                       self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time):
+                       self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time,
+                       self.iteration_tokens):
             metric.labels(model_name)  # export every series from the start, at zero
+        # the series' children, looked up once (a labels() call costs a few us a step)
+        self._step_tokens = self.iteration_tokens.labels(model_name)
+        self._step_seconds = {kind: self.step_duration.labels(model_name, kind)
+                              for kind in STEP_KINDS}
 
     def record(self, stats: SchedulerStats, outputs: list[RequestOutput]) -> None:
         name = self.model_name
@@ -86,9 +106,20 @@ class PrometheusStatLogger:
             if total > self._last_totals[key]:
                 counter.labels(name).inc(total - self._last_totals[key])
             self._last_totals[key] = total
+        self._record_step(stats)
         now = time.monotonic()
         for output in outputs:
             self._record_request(output, now)
+
+    def _record_step(self, stats: SchedulerStats) -> None:
+        """The last engine step, if one ran since the previous record (the engine thread
+        records after every step)."""
+        if stats.num_steps <= self._last_steps:
+            return
+        self._last_steps = stats.num_steps
+        self._step_tokens.observe(stats.last_step_tokens)
+        kind = STEP_KINDS[1] if stats.last_step_prompt_tokens else STEP_KINDS[0]
+        self._step_seconds[kind].observe(stats.last_step_seconds)
 
     def _record_request(self, output: RequestOutput, now: float) -> None:
         name = self.model_name

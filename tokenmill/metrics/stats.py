@@ -19,6 +19,10 @@ class SchedulerStats:
     spec_accepted_tokens: int = 0        # of those, the sampler's own choice (kept)
     spec_step_fixed_rows: float = 0.0    # a decode step's fixed cost in rows, as the draft
                                          # policy weighs it (0 without drafts)
+    num_steps: int = 0                   # engine steps that ran the model, total
+    last_step_tokens: int = 0            # the last of them: tokens computed,
+    last_step_prompt_tokens: int = 0     # of those, prompt chunks' (0: a decode-only step),
+    last_step_seconds: float = 0.0       # and its time, schedule to update
 
     @property
     def prefix_cache_hit_rate(self) -> float:

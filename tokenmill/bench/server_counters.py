@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tokenmill.metrics import prometheus
+
 
 @dataclass(frozen=True)
 class CounterPair:
@@ -42,8 +44,8 @@ class StepKind:
     kind: str
 
 
-STEP_KINDS = (StepKind("decode"), StepKind("prefill"))
-_STEP_SECONDS = "tokenmill:step_duration_seconds"
+STEP_KINDS = tuple(StepKind(kind) for kind in prometheus.STEP_KINDS)
+_STEP_SECONDS = prometheus.STEP_SECONDS
 
 # pair -> (total, part); step kind -> (steps, seconds)
 Readings = dict[CounterPair | StepKind, tuple[float, float]]

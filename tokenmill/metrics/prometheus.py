@@ -19,6 +19,7 @@ _STEP_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.
                  0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 STEP_KINDS = ("decode", "prefill")   # a step with no prompt work, and one with some
+STEP_SECONDS = "tokenmill:step_duration_seconds"
 
 
 class _RequestTrack:
@@ -80,7 +81,7 @@ class PrometheusStatLogger:
         self.iteration_tokens = Histogram("tokenmill:iteration_tokens_total",
                                           "Tokens computed in an engine step",
                                           buckets=_TOKEN_BUCKETS, **labels)
-        self.step_duration = Histogram("tokenmill:step_duration_seconds",
+        self.step_duration = Histogram(STEP_SECONDS,
                                        "An engine step, schedule to update, by kind: "
                                        "'prefill' with prompt work, 'decode' without",
                                        labelnames=["model_name", "kind"],

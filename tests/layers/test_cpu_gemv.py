@@ -273,12 +273,12 @@ ROUTES = {"default": nullcontext, "avx2": lambda: avx2_tiles(load_kernel().gemv_
 @example(rows=1, blocks=48, panels=9, seed=0)    # panels side by side, then one
 @example(rows=2, blocks=3, panels=4, seed=2)     # the AVX2 route's first rebuilt step
 @example(rows=6, blocks=3, panels=3, seed=1)     # the AVX-512 route's largest factored step...
-@example(rows=7, blocks=3, panels=3, seed=3)     # ...and on Zen 4 its one-panel tiles...
+@example(rows=7, blocks=3, panels=3, seed=3)     # ...and on Zen 4 and 5 its one-panel tiles...
 @example(rows=12, blocks=5, panels=3, seed=4)    # ...up to 12 rows...
 @example(rows=13, blocks=3, panels=2, seed=5)    # ...then the rebuilt weights
 def test_factored_form_is_within_the_rounding_bound_and_batch_invariant(route, fmt, rows,
                                                                        blocks, panels, seed):
-    # Short steps (up to 6 rows on the AVX-512 route, 12 on Zen 4, one on the AVX2 route),
+    # Short steps (up to 6 rows on the AVX-512 route, 12 on AMD Zen 4 and 5, one on AVX2),
     # y = sum over blocks of d (q . x) (+ m sum(x), Q4_1). Each output must be within the rounding bound of
     # a dot product of that length (k + 2 blocks + 2 roundings of the terms' magnitudes) of the
     # exact result, whatever the weights' offsets m: a lost or misplaced m term, scale or block

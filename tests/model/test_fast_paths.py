@@ -171,8 +171,8 @@ def test_compact_panels_leave_tokens_unchanged_and_rebuilt_ones_every_bit(make_l
     """The default model's weights are Q4_1/Q8_0 values: steps of up to 12 tokens stream them
     as compact panels. Batches of 1 to 12 requests (both sides of the switch) give the same
     tokens as with fp32 panels only and logprobs within rounding; with the Q4_1 weights
-    rebuilt (not factored, where AVX-512 would factor steps of up to 6, 12 on Zen 4), the same
-    logprobs to the bit."""
+    rebuilt (not factored, where AVX-512 would factor steps of up to 6, 12 on AMD Zen 4 and 5),
+    the same logprobs to the bit."""
     params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=2)
               for i in range(12)]
     prompts = (PROMPTS * 2)[:12]

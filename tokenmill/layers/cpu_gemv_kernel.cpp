@@ -17,8 +17,8 @@
 // also stream in their blocks, a fifth or a quarter of the bytes, and are rebuilt in
 // registers as the same fp32 numbers; the output is bitwise that of the fp32 panels. Short
 // steps take them in the factored form instead (fewer operations a weight, as accurate, not
-// bitwise): up to 6 rows where the build has AVX-512 (12 on Zen 4, gemv_avx512.h), one row
-// on the AVX2 tiles (factored_row).
+// bitwise): up to 6 rows where the build has AVX-512 (12 on AMD Zen 4 and 5, gemv_avx512.h),
+// one row on the AVX2 tiles (factored_row).
 #include <algorithm>
 #include <atomic>
 #include <vector>

@@ -3,8 +3,8 @@
 // against 2 panels (24 accumulators) where the AVX2 tiles hold 6 rows against one, and each
 // FMA does twice the work. Every output still sums its k steps in order, one FMA each, over
 // the same (rebuilt) weights: the result is bitwise that of the AVX2 tiles, whatever the rows
-// beside it. The exception, by default: compact panels in steps of up to 6 rows (12 on Zen 4),
-// in the factored form (factored_linear, at the end).
+// beside it. The exception, by default: compact panels in steps of up to 6 rows (12 on AMD
+// Zen 4 and 5), in the factored form (factored_linear, at the end).
 //
 // The plan is the AVX2 one: up to one row group (12 rows), one pass over the panels, several
 // side by side; more rows go in equal groups over K blocks, the panels' slice staying in L1
@@ -41,19 +41,22 @@ struct RowGroups : gemv_rows::RowGroups {
   explicit RowGroups(int64_t m) : gemv_rows::RowGroups(m, kMaxRows) {}
 };
 
-// Whether this is a Zen 4 core (AMD family 19h, the only one of that family with AVX-512): it
-// runs a 512-bit FMA as two 256-bit halves, one a cycle where the Xeons do two, so routes that
-// spend load-port work or registers to save vector operations (tall tiles, longer factored
-// steps) pay there. They were measured on Zen 4 only; other CPUs keep the Xeons' routes.
-inline bool zen4_fma_rate() {
-  static const bool zen4 = [] {
+// The CPU's family if it is an AMD one. A Zen 4 core (family 19h, the only one of that family
+// with AVX-512) runs a 512-bit FMA as two 256-bit halves, one a cycle where the Xeons do two,
+// so routes that spend load-port work or registers to save vector operations (tall tiles,
+// longer factored steps) pay there; Zen 5 (1Ah) does two, and keeps the longer factored steps
+// only (factored_max_rows). Other CPUs keep the Xeons' routes.
+inline int amd_family() {   // 0 on other vendors
+  static const int family = [] {
     unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541) return false;   // "Auth"enticAMD
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
-    return ((a >> 8) & 0xf) + ((a >> 20) & 0xff) == 0x19;
+    if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541) return 0;   // "Auth"enticAMD
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    return static_cast<int>(((a >> 8) & 0xf) + ((a >> 20) & 0xff));
   }();
-  return zen4;
+  return family;
 }
+
+inline bool zen4_fma_rate() { return amd_family() == 0x19; }
 
 // One k step of a tile: x[r][k] (x points at column k, rows ldx apart) times the P panels'
 // weights. Row by row, one broadcast live at a time: with all R broadcasts loaded first, GCC
@@ -450,8 +453,16 @@ void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, i
 // 1.10x, 8 1.12x, 9 1.16x, 10 1.13x, 12 1.11x; offline 8-row decode steps 1.06-1.08x, the
 // same tokens. (A row's result then depends on whether its step has more rows than this, by
 // rounding, as it already does at the AMX tiles' threshold.)
+// Zen 5 (family 1Ah) does two 512-bit FMAs a cycle, as the Xeons do, and still gains there:
+// offline decode steps (128-token prompts, medians, the two routes in turn, 2-core EPYC
+// family 1Ah): 8 rows 8.80 -> 8.27 ms, 10 rows even (10.37 / 10.41), 12 rows 12.98 -> 12.14;
+// SmolLM2's 120 layer linears streamed, M = 8 321 -> 338 GFLOP/s, M = 12 326 -> 352. Its
+// tall tiles (13-40 rows) measured 3-7% slower there than the staged slices, so they stay
+// Zen 4's.
 constexpr int64_t kFactoredMaxRowsAnywhere = 12;
-inline int64_t factored_max_rows() { return zen4_fma_rate() ? kFactoredMaxRowsAnywhere : 6; }
+inline int64_t factored_max_rows() {
+  return amd_family() >= 0x19 ? kFactoredMaxRowsAnywhere : 6;
+}
 
 // Panels side by side for R rows: 2 R P accumulators (the block's products, and the scaled
 // sum), P levels and a broadcast in 32 registers.

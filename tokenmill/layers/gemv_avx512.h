@@ -270,7 +270,9 @@ static_assert(kStageK % gemv_blocks::kSteps == 0);
 // slice before any group's pass left the FMA units idle meanwhile (SmolLM2's 120 layer
 // linears on a 2-core Zen 4, the two in turn, when this route took every step of two groups
 // or more: M = 13 1.07-1.08x, 16 1.03-1.05x, 32 1.03x, 64 1.02x, 128 1.015x; bitwise the
-// same output).
+// same output). Each block's scales are converted once (F::scales), not at every step: the
+// stores to `staged` kept the compiler from reusing them (on the 2-core EPYC family 1Ah, the
+// 120 layer linears and lm_head at M = 16 / 24 / 32 1.047x / 1.024x / 1.025x faster).
 template <typename F, int R, int P>
 void staging_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t panel_stride,
                   int64_t k0, int64_t k_step, float* staged, float* y, int64_t ldy,
@@ -279,13 +281,16 @@ void staging_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t pan
   start_tile<R, P>(acc, y, ldy, accumulate);
   for (int64_t k = 0; k < k_step; k += gemv_blocks::kSteps) {
     const uint8_t* block = panel + (k0 + k) / gemv_blocks::kSteps * F::kBlockBytes;
+    typename F::Scales scales[P];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) scales[p] = F::scales(block + p * panel_stride);
     for (int64_t g = 0; g < gemv_blocks::kSteps; g += kUnrollSteps) {
 #pragma GCC unroll 8
       for (int64_t i = 0; i < kUnrollSteps; ++i) {
         __m512 w[P];
 #pragma GCC unroll 4
         for (int p = 0; p < P; ++p) {
-          w[p] = F::expand16(block + p * panel_stride, g + i);
+          w[p] = F::expand16_with(block + p * panel_stride, g + i, scales[p]);
           _mm512_store_ps(staged + (p * kStageK + k + g + i) * kPanel, w[p]);
         }
         fma_rows<R, P>(acc, x + k + g + i, ldx, w);
@@ -390,7 +395,11 @@ void owned_chunks(int64_t panels, int64_t unit, const Fn& fn) {
 
 // The same over compact panels of format F: one row group rebuilds every weight in registers
 // as it goes (block_tile, several panels side by side), on Zen 4 up to kTallRouteMaxRows rows
-// take tall tiles, and more rows share a staged slice (staged_pass).
+// take tall tiles, and more rows share a staged slice (staged_pass). Staged steps take owned
+// chunks too: from a shared counter, a thread's panels changed from one call to the next, and
+// SmolLM2's 120 layer linears and lm_head (2-core EPYC family 1Ah, the two in turn in one
+// process, medians of 15) ran 1.050x / 1.054x / 1.052x / 1.071x slower at M = 13 / 16 / 24 /
+// 32, streamed from memory; bitwise the same output.
 template <typename F>
 void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, int64_t panels,
                   float* y, int64_t n) {
@@ -399,14 +408,8 @@ void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, i
   const RowGroups groups(m);
   const int64_t stride = k_len / gemv_blocks::kSteps * F::kBlockBytes;
   const int64_t unit = groups.count == 1 ? side_panels(m) : kGroupSide;
-  if (groups.count > 1) {
-    const int64_t chunk = tokenmill_parallel::chunk_for(panels, unit);
-    tokenmill_parallel::parallel_chunks(panels, chunk, [&](int64_t begin, int64_t end) {
-      staged_pass<F>(groups, x, k_len, wp, stride, begin, end, y, n);
-    });
-    return;
-  }
   owned_chunks(panels, unit, [&](int64_t begin, int64_t end) {
+    if (groups.count > 1) return staged_pass<F>(groups, x, k_len, wp, stride, begin, end, y, n);
     side_by_side(m, end - begin, [&]<int R, int P>(int64_t p) {
       const int64_t panel = begin + p;
       const uint8_t* after = panel + P < panels ? wp + (panel + P) * stride : nullptr;

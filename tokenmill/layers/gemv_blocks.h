@@ -187,10 +187,24 @@ struct Q4_1 {
 
   // expand()'s 16 weights in one register, by the same operations: d * q, rounded, then + m,
   // rounded.
-  static inline __m512 expand16(const uint8_t* block, int64_t kk) {
-    __m512 product = _mm512_mul_ps(levels16(block, kk), scales16(block, 0));
+  // The block's d and m as floats, converted once for its 32 steps: a caller that also
+  // stores between steps (staging_tile) would otherwise have them converted again each step,
+  // the compiler unable to tell its stores from the block's bytes.
+  struct Scales {
+    __m512 d, m;
+  };
+  static inline Scales scales(const uint8_t* block) {
+    return {scales16(block, 0), scales16(block, 1)};
+  }
+
+  static inline __m512 expand16_with(const uint8_t* block, int64_t kk, const Scales& s) {
+    __m512 product = _mm512_mul_ps(levels16(block, kk), s.d);
     __asm__("" : "+v"(product));   // keep both roundings
-    return _mm512_add_ps(product, scales16(block, 1));
+    return _mm512_add_ps(product, s.m);
+  }
+
+  static inline __m512 expand16(const uint8_t* block, int64_t kk) {
+    return expand16_with(block, kk, scales(block));
   }
 #endif
 };
@@ -286,8 +300,17 @@ struct Q8_0 {
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kScaleBytes + kk * kCols))));
   }
 
+  struct Scales {   // as Q4_1's
+    __m512 d;
+  };
+  static inline Scales scales(const uint8_t* block) { return {scales16(block, 0)}; }
+
+  static inline __m512 expand16_with(const uint8_t* block, int64_t kk, const Scales& s) {
+    return _mm512_mul_ps(levels16(block, kk), s.d);
+  }
+
   static inline __m512 expand16(const uint8_t* block, int64_t kk) {
-    return _mm512_mul_ps(levels16(block, kk), scales16(block, 0));
+    return expand16_with(block, kk, scales(block));
   }
 #endif
 };

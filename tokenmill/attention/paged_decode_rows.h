@@ -141,16 +141,57 @@ inline void score_keys(const float* q, const float* k, int64_t token_stride, int
   }
 }
 
-// Fixed group count G: every key/value load serves all G query heads.
+#if defined(__AVX512F__)
+// score_keys<G, 4> with two keys a 16-lane register (keys j and j + 1 in its low and high
+// eight lanes): half the FMAs, each lane adding the same products in the same order as the
+// 8-lane version, and the same reduction tree after: bitwise its scores. On the Xeon it
+// measured 0.98x from memory and 1.03x slower from cache (fifty-second session); on the
+// 2-core EPYC family 1Ah, where decode attention runs at ~40-55 GB/s of ~100 a plain read
+// gets, SmolLM2's 30 layers of decode attention, the two in turn in one process (medians of
+// 21): one 3,000-token request 1.060x faster (1.098x with its blocks in the L3), 8 of 300-600
+// tokens 1.004x (1.090x), 16 of 200-400 1.014x.
 template <int G>
+inline void score_keys_paired(const float* q, const float* k, int64_t token_stride, int dim,
+                              float* scores, int stride) {
+  __m512 a[G][2];
+  for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = _mm512_setzero_ps();
+  for (int d = 0; d < dim; d += 8) {
+    __m512 kv[2];
+    for (int j = 0; j < 2; ++j) {
+      const float* kj = k + 2 * j * token_stride + d;
+      kv[j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(kj)),
+                                 _mm256_loadu_ps(kj + token_stride), 1);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + g * dim + d));
+      for (int j = 0; j < 2; ++j) a[g][j] = _mm512_fmadd_ps(qv, kv[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    _mm_storeu_ps(scores + g * stride,
+                  hsum4(_mm512_castps512_ps256(a[g][0]), _mm512_extractf32x8_ps(a[g][0], 1),
+                        _mm512_castps512_ps256(a[g][1]), _mm512_extractf32x8_ps(a[g][1], 1)));
+}
+#endif
+
+// Fixed group count G: every key/value load serves all G query heads (`Paired`: four keys
+// as two pairs, score_keys_paired, G <= 3 only).
+template <int G, bool Paired = false>
 void score_block_g(const float* q, const float* k, int64_t token_stride, int len, int,
                    int dim, float* scores, int stride, Prefetch ahead) {
   constexpr int KP = G <= 3 ? 4 : 1;   // 4 keys x G heads of accumulators fit 16 registers
+  static_assert(!Paired || KP == 4, "pairs of keys need four keys a step");
   const int steps = len / KP;
   if (steps == 0) ahead.part(0, 1);
   int i = 0;
   for (; i + KP <= len; i += KP) {
     ahead.part(i / KP, steps);
+#if defined(__AVX512F__)
+    if constexpr (Paired) {
+      score_keys_paired<G>(q, k + i * token_stride, token_stride, dim, scores + i, stride);
+      continue;
+    }
+#endif
     score_keys<G, KP>(q, k + i * token_stride, token_stride, dim, scores + i, stride);
   }
   for (; i < len; ++i)
@@ -200,53 +241,6 @@ void accumulate_block_g(const float* p, int stride, const float* v, int64_t toke
 #endif
 
 #if defined(__AVX2__) && defined(__AVX512F__)
-// score_keys<G, 4> with two keys a 16-lane register (keys j and j + 1 in its low and high
-// eight lanes): half the FMAs, each lane adding the same products in the same order as the
-// 8-lane version, and the same reduction tree after: bitwise its scores. On the Xeon it
-// measured 0.98x from memory and 1.03x slower from cache (fifty-second session); on the
-// 2-core EPYC family 1Ah, where decode attention runs at ~40-55 GB/s of ~100 a plain read
-// gets, SmolLM2's 30 layers of decode attention, the two in turn in one process (medians of
-// 21): one 3,000-token request 1.060x faster (1.098x with its blocks in the L3), 8 of 300-600
-// tokens 1.004x (1.090x), 16 of 200-400 1.014x.
-template <int G>
-inline void score_keys_paired(const float* q, const float* k, int64_t token_stride, int dim,
-                              float* scores, int stride) {
-  __m512 a[G][2];
-  for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = _mm512_setzero_ps();
-  for (int d = 0; d < dim; d += 8) {
-    __m512 kv[2];
-    for (int j = 0; j < 2; ++j) {
-      const float* kj = k + 2 * j * token_stride + d;
-      kv[j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(kj)),
-                                 _mm256_loadu_ps(kj + token_stride), 1);
-    }
-    for (int g = 0; g < G; ++g) {
-      const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + g * dim + d));
-      for (int j = 0; j < 2; ++j) a[g][j] = _mm512_fmadd_ps(qv, kv[j], a[g][j]);
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    _mm_storeu_ps(scores + g * stride,
-                  hsum4(_mm512_castps512_ps256(a[g][0]), _mm512_extractf32x8_ps(a[g][0], 1),
-                        _mm512_castps512_ps256(a[g][1]), _mm512_extractf32x8_ps(a[g][1], 1)));
-}
-
-// score_block_g for G <= 3 with score_keys_paired.
-template <int G>
-void score_block_paired(const float* q, const float* k, int64_t token_stride, int len, int,
-                        int dim, float* scores, int stride, Prefetch ahead) {
-  constexpr int KP = 4;
-  const int steps = len / KP;
-  if (steps == 0) ahead.part(0, 1);
-  int i = 0;
-  for (; i + KP <= len; i += KP) {
-    ahead.part(i / KP, steps);
-    score_keys_paired<G>(q, k + i * token_stride, token_stride, dim, scores + i, stride);
-  }
-  for (; i < len; ++i)
-    score_keys<G, 1>(q, k + i * token_stride, token_stride, dim, scores + i, stride);
-}
-
 // accumulate_block_g with 16-lane registers: NZ registers (16 dims each) of all G rows stay in
 // registers across the block's keys, so a key's value row is loaded once and each weight
 // broadcast once per slice (AVX2: once per 16 dims). Each lane adds the same products in the
@@ -318,9 +312,9 @@ void pick_block_fns(int64_t groups, int64_t dim, bool wide, ScoreFn* score,
 #if defined(__AVX512F__)
   if (AccumulateFn f = wide ? wide_accumulate(groups, dim) : nullptr) *accumulate = f;
   if (wide) {
-    if (groups == 1) *score = score_block_paired<1>;
-    if (groups == 2) *score = score_block_paired<2>;
-    if (groups == 3) *score = score_block_paired<3>;
+    if (groups == 1) *score = score_block_g<1, true>;
+    if (groups == 2) *score = score_block_g<2, true>;
+    if (groups == 3) *score = score_block_g<3, true>;
   }
 #endif
 #endif

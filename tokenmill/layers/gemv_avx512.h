@@ -458,7 +458,8 @@ void block_linear(int64_t m, const float* x, int64_t k_len, const uint8_t* wp, i
 // rounding, as it already does at the AMX tiles' threshold.)
 // Zen 5 (family 1Ah) does two 512-bit FMAs a cycle, as the Xeons do, and still gains there:
 // offline decode steps (128-token prompts, medians, the two routes in separate processes
-// alternating, 2-core EPYC family 1Ah): 8 rows 8.80 -> 8.27 ms, 10 rows even (10.37 / 10.41), 12 rows 12.98 -> 12.14;
+// alternating, 2-core EPYC family 1Ah): 8 rows 8.80 -> 8.27 ms, 10 rows even (10.37 /
+// 10.41), 12 rows 12.98 -> 12.14;
 // SmolLM2's 120 layer linears streamed, M = 8 321 -> 338 GFLOP/s, M = 12 326 -> 352. Its
 // tall tiles (13-40 rows) measured 3-7% slower there than the staged slices, so they stay
 // Zen 4's.
